@@ -1,0 +1,157 @@
+"""Plain value types of the public API: keys, chunks, residency and results."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvtier.errors import ChunkRangeError, InvalidArgumentError
+
+
+class Medium(enum.Enum):
+    """Where bytes live: ``GPU``, ``CPU`` (pinned slots) or ``NVME`` (row files)."""
+
+    GPU = "gpu"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+class Residency(enum.Enum):
+    """Where a key can be loaded from right now.
+
+    ``MISS``: nowhere. ``PENDING``: a store or promotion is in flight (a load
+    waits for it). ``CPU``: a resident CPU slot. ``NVME``: on NVMe only (a load
+    promotes it through a CPU slot).
+    """
+
+    MISS = "miss"
+    PENDING = "pending"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadKey:
+    """Names one chunk of ONE KV cache group.
+
+    Attributes:
+        block_hash: the chunk's content hash (bytes, 1..64 long), e.g. the
+            hash of the last block of the chunk chained from token ids.
+        group_id: the KV cache group (``>= 0``).
+
+    Raises:
+        InvalidArgumentError: ``block_hash`` is not 1..64 bytes or
+            ``group_id`` is not a non-negative int.
+    """
+
+    block_hash: bytes
+    group_id: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_hash, bytes) or not 1 <= len(self.block_hash) <= 64:
+            raise InvalidArgumentError(
+                f"OffloadKey.block_hash must be 1..64 bytes, got {self.block_hash!r:.80}"
+            )
+        if isinstance(self.group_id, bool) or not isinstance(self.group_id, int):
+            raise InvalidArgumentError(f"OffloadKey.group_id must be int, got {self.group_id!r}")
+        if self.group_id < 0:
+            raise InvalidArgumentError(f"OffloadKey.group_id must be >= 0, got {self.group_id}")
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A chunk transfer request: GPU blocks of one key's sub-blocks.
+
+    Attributes:
+        key: the offload key.
+        block_ids: GPU block ids of sub-blocks ``offset .. offset+len(block_ids)``
+            of the chunk, in order. Partial chunks (``offset > 0`` or fewer than
+            ``blocks_per_chunk`` ids) are legal.
+        offset: index of the first sub-block inside the chunk (``>= 0``).
+
+    Raises:
+        ChunkRangeError: ``block_ids`` is empty or ``offset`` negative.
+    """
+
+    key: OffloadKey
+    block_ids: tuple[int, ...]
+    offset: int = 0
+
+    def __init__(self, key: OffloadKey, block_ids: Sequence[int], offset: int = 0) -> None:
+        if not isinstance(key, OffloadKey):
+            raise InvalidArgumentError(f"Chunk.key must be an OffloadKey, got {type(key).__name__}")
+        ids = tuple(int(b) for b in block_ids)
+        if not ids:
+            raise ChunkRangeError(f"Chunk for {key} has no block_ids")
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise ChunkRangeError(f"Chunk for {key}: offset must be an int >= 0, got {offset!r}")
+        object.__setattr__(self, "key", key)
+        object.__setattr__(self, "block_ids", ids)
+        object.__setattr__(self, "offset", offset)
+
+    @property
+    def stop(self) -> int:
+        """One past the last sub-block index covered (``offset + len(block_ids)``)."""
+        return self.offset + len(self.block_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    """Outcome of :meth:`TransferEngine.store`.
+
+    Attributes:
+        stored: keys whose bytes are now in CPU slots (and queued for NVMe).
+        skipped: keys already present (CPU, NVMe or in flight); nothing copied.
+        rejected: keys that found no free or evictable slot, or whose copy failed.
+    """
+
+    stored: tuple[OffloadKey, ...] = ()
+    skipped: tuple[OffloadKey, ...] = ()
+    rejected: tuple[OffloadKey, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """Outcome of :meth:`TransferEngine.load`.
+
+    Attributes:
+        loaded: keys whose bytes are now in their GPU blocks.
+        failed: keys that could not be loaded, with the error; their GPU blocks
+            received no bytes from kvtier.
+    """
+
+    loaded: tuple[OffloadKey, ...] = ()
+    failed: dict[OffloadKey, BaseException] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of engine counters (see :meth:`TransferEngine.stats`).
+
+    Byte counts are in bytes, times in seconds.
+    """
+
+    num_slots: int
+    slot_nbytes: int
+    slots_free: int
+    slots_writing: int
+    slots_resident: int
+    slots_pinned: int
+    keys_per_group: dict[int, int]
+    payload_nbytes: int
+    reserved_nbytes: int
+    slot_waste_nbytes: int
+    hits: int
+    misses: int
+    evictions: int
+    rejected: int
+    store_bytes: int
+    store_seconds: float
+    load_bytes: int
+    load_seconds: float
+    store_jobs: int
+    load_jobs: int
+    load_failures: int
+    pinned_memory: bool
+    nvme: dict[str, object] | None = None

@@ -1,0 +1,1 @@
+"""kvtier.io: the NVMe tier (row format, RowIO backends, segment files, index)."""
