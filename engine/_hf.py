@@ -1,0 +1,276 @@
+"""KV cache groups of a transformers model config, grouped as vLLM groups them.
+
+:func:`hf_kv_groups` reads a transformers 5.x config and allocates one paged
+tensor per cached layer (or two for recurrent layers: conv and recurrent state),
+then sorts the layers into KV cache groups the way vLLM's hybrid KV cache
+manager does (``vllm/v1/core/kv_cache_utils.py``,
+``_get_kv_cache_groups_uniform_page_size``):
+
+1. Layers with the same cache spec (kind, window, shapes, dtypes) form a type;
+   types are ordered by their first layer.
+2. ``group_size`` is the smallest layer count among the types; when the largest
+   count is below ``1.25 *`` the smallest, the largest count is used instead
+   (vLLM's rule, so that e.g. 12 sliding + 13 full layers form 2 groups, not 3).
+3. Each type of ``n`` layers is split into ``ceil(n / group_size)`` groups,
+   interleaved: group ``i`` of the type gets ``layers[i::num_groups]``. With
+   vLLM's n:1 patterns (Gemma3 5:1, Llama4 3:1, Qwen3-Next 3:1) every group has
+   the same number of layers; otherwise the last groups of a type are one layer
+   short (vLLM pads them with a padding layer; kvtier simply has fewer layers).
+
+Tensor shapes (``B = num_blocks``, ``T = tokens_per_block``; block dim 0):
+
+* full / sliding / chunked attention: ``(B, 2, T, num_kv_heads, head_dim)``
+  in ``dtype`` (index 1: 0 = K, 1 = V), named ``model.layers.<i>.self_attn``.
+* MLA (DeepSeek-V2/V3): ``(B, T, kv_lora_rank + qk_rope_head_dim)`` in ``dtype``:
+  the normalised latent followed by the rotary key, the two tensors that
+  transformers' DeepSeek-V3 attention caches (and vLLM's MLA cache holds).
+* linear attention (Qwen3-Next, Qwen3.5 gated DeltaNet): one block holds one
+  sequence's state snapshot, two tensors: ``<name>.conv_state`` of shape
+  ``(B, 2 * linear_num_key_heads * linear_key_head_dim + linear_num_value_heads *
+  linear_value_head_dim, linear_conv_kernel_dim)`` in ``dtype`` and
+  ``<name>.recurrent_state`` of shape ``(B, linear_num_value_heads,
+  linear_key_head_dim, linear_value_head_dim)`` in ``float32`` (transformers'
+  torch gated-delta-rule keeps the recurrent state in float32 whatever the
+  model dtype), named ``model.layers.<i>.linear_attn``.
+* mamba (Jamba): ``<name>.conv_state`` of shape ``(B, mamba_expand *
+  hidden_size, mamba_d_conv)`` in ``dtype`` and ``<name>.recurrent_state`` of
+  shape ``(B, mamba_expand * hidden_size, mamba_d_state)`` in ``float32``, named
+  ``model.layers.<i>.mamba``.
+
+Attention sinks (GPT-OSS) are weights, not cache: they change no shape.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["KIND_OF_LAYER_TYPE", "MAMBA_MODEL_TYPES", "HFKVGroups", "hf_kv_groups"]
+
+KIND_OF_LAYER_TYPE: dict[str, str] = {
+    "full_attention": "full",
+    "sliding_attention": "sliding",
+    "chunked_attention": "chunked",
+    "linear_attention": "linear",
+    "mamba": "mamba",
+    "attention": "full",
+}
+"""transformers ``config.layer_types`` entry -> kvtier group kind."""
+
+MAMBA_MODEL_TYPES = frozenset({"jamba", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h"})
+"""Model families whose ``linear_attention`` layers are mamba (SSM) layers."""
+
+_NO_CACHE_TYPES = frozenset({"dummy", "moe", "mlp"})
+_RECURRENT_STATE_DTYPE = torch.float32
+
+
+@dataclass(frozen=True)
+class HFKVGroups:
+    """The paged KV cache tensors of a model, grouped into KV cache groups.
+
+    Attributes:
+        groups: ``group_id -> {tensor name: paged tensor}``; tensors have the
+            block dimension first (see the module docstring for shapes).
+        block_dim: the block dimension of every tensor (always ``0``).
+        tokens_per_block: ``group_id -> tokens per block``. For linear / mamba
+            groups a block is one state snapshot taken at a block boundary of
+            that many tokens.
+        kinds: ``group_id -> "full" | "sliding" | "chunked" | "linear" | "mamba" | "mla"``.
+        layer_index: tensor name -> model layer index.
+        window: ``group_id -> attention window in tokens`` (sliding window or
+            attention chunk size), ``None`` for unbounded or recurrent groups.
+    """
+
+    groups: dict[int, dict[str, torch.Tensor]]
+    block_dim: int | dict[str, int]
+    tokens_per_block: dict[int, int]
+    kinds: dict[int, str]
+    layer_index: dict[str, int]
+    window: dict[int, int | None]
+
+    def layers_of(self, group_id: int) -> list[int]:
+        """Return the distinct model layer indices of group ``group_id``, in order."""
+        seen: dict[int, None] = {}
+        for name in self.groups[group_id]:
+            seen.setdefault(self.layer_index[name], None)
+        return list(seen)
+
+
+def _text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
+
+
+def _is_mla(config: Any) -> bool:
+    return getattr(config, "kv_lora_rank", None) is not None and hasattr(
+        config, "qk_rope_head_dim"
+    )
+
+
+def _layer_kinds(config: Any) -> list[str | None]:
+    """Return one kvtier kind per model layer (``None``: the layer has no cache)."""
+    num_layers = int(config.num_hidden_layers)
+    model_type = str(getattr(config, "model_type", ""))
+    layer_types = getattr(config, "layer_types", None)
+    if model_type == "jamba" or (layer_types is None and hasattr(config, "layers_block_type")):
+        layer_types = list(config.layers_block_type)
+    if layer_types is None:
+        layer_types = []
+        for _ in range(num_layers):
+            if getattr(config, "sliding_window", None) is not None:
+                layer_types.append("sliding_attention")
+            elif getattr(config, "attention_chunk_size", None) is not None:
+                layer_types.append("chunked_attention")
+            else:
+                layer_types.append("full_attention")
+    if len(layer_types) != num_layers:
+        raise ValueError(
+            f"config.layer_types has {len(layer_types)} entries for {num_layers} layers"
+        )
+    sharing = getattr(config, "kv_sharing_modes", None)
+    kinds: list[str | None] = []
+    for i, layer_type in enumerate(layer_types):
+        if layer_type in _NO_CACHE_TYPES or (sharing is not None and sharing[i] == "reuse"):
+            kinds.append(None)
+            continue
+        try:
+            kind = KIND_OF_LAYER_TYPE[layer_type]
+        except KeyError:
+            raise ValueError(f"layer {i}: unsupported layer type {layer_type!r}") from None
+        if kind == "linear" and model_type in MAMBA_MODEL_TYPES:
+            kind = "mamba"
+        if kind == "full" and _is_mla(config):
+            kind = "mla"
+        kinds.append(kind)
+    return kinds
+
+
+def _layer_specs(
+    config: Any, kind: str, layer: int, dtype: torch.dtype
+) -> tuple[str, list[tuple[str, tuple[int, ...], torch.dtype]]]:
+    """Return the tensor name prefix and ``(suffix, per-block shape, dtype)`` list of a layer."""
+    prefix = f"model.layers.{layer}"
+    if kind in ("full", "sliding", "chunked"):
+        num_kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        head_dim = getattr(config, "head_dim", None) or (
+            int(config.hidden_size) // int(config.num_attention_heads)
+        )
+        return f"{prefix}.self_attn", [("", (2, -1, num_kv_heads, int(head_dim)), dtype)]
+    if kind == "mla":
+        width = int(config.kv_lora_rank) + int(config.qk_rope_head_dim)
+        return f"{prefix}.self_attn", [("", (-1, width), dtype)]
+    if kind == "linear":
+        key_dim = int(config.linear_num_key_heads) * int(config.linear_key_head_dim)
+        value_dim = int(config.linear_num_value_heads) * int(config.linear_value_head_dim)
+        conv = (2 * key_dim + value_dim, int(config.linear_conv_kernel_dim))
+        recurrent = (
+            int(config.linear_num_value_heads),
+            int(config.linear_key_head_dim),
+            int(config.linear_value_head_dim),
+        )
+        return f"{prefix}.linear_attn", [
+            (".conv_state", conv, dtype),
+            (".recurrent_state", recurrent, _RECURRENT_STATE_DTYPE),
+        ]
+    if kind == "mamba":
+        inner = int(config.mamba_expand) * int(config.hidden_size)
+        return f"{prefix}.mamba", [
+            (".conv_state", (inner, int(config.mamba_d_conv)), dtype),
+            (".recurrent_state", (inner, int(config.mamba_d_state)), _RECURRENT_STATE_DTYPE),
+        ]
+    raise ValueError(f"unsupported kind {kind!r}")
+
+
+def _window(config: Any, kind: str) -> int | None:
+    if kind == "sliding":
+        return int(config.sliding_window)
+    if kind == "chunked":
+        return int(config.attention_chunk_size)
+    return None
+
+
+def _split_like_vllm(types: list[list[int]]) -> list[list[int]]:
+    """Split per-type layer lists into groups of equal layer counts (vLLM's rule)."""
+    counts = [len(layers) for layers in types]
+    group_size = min(counts)
+    if max(counts) < group_size * 1.25:
+        group_size = max(counts)
+    grouped: list[list[int]] = []
+    for layers in types:
+        num_groups = math.ceil(len(layers) / group_size)
+        grouped.extend(layers[i::num_groups] for i in range(num_groups))
+    return grouped
+
+
+def hf_kv_groups(
+    config: Any,
+    num_blocks: int,
+    tokens_per_block: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> HFKVGroups:
+    """Allocate a model's paged KV cache and group its layers as vLLM does.
+
+    Args:
+        config: a transformers 5.x config (a multimodal config is reduced to
+            its decoder text config).
+        num_blocks: blocks per tensor (``> 0``).
+        tokens_per_block: tokens per block (``> 0``), for every group.
+        dtype: dtype of K/V, latent and conv-state tensors; recurrent states
+            are float32.
+        device: where to allocate (zero-filled).
+
+    Returns:
+        The groups, tensors and per-group metadata (:class:`HFKVGroups`).
+
+    Raises:
+        ValueError: bad sizes, or a layer type that kvtier cannot map.
+    """
+    if num_blocks <= 0 or tokens_per_block <= 0:
+        raise ValueError(
+            f"num_blocks ({num_blocks}) and tokens_per_block ({tokens_per_block}) must be > 0"
+        )
+    config = _text_config(config)
+    kinds_per_layer = _layer_kinds(config)
+    # 1. One type per distinct spec, ordered by first layer.
+    spec_of_type: dict[tuple[Any, ...], list[int]] = {}
+    layer_specs: dict[int, tuple[str, list[tuple[str, tuple[int, ...], torch.dtype]]]] = {}
+    for layer, kind in enumerate(kinds_per_layer):
+        if kind is None:
+            continue
+        prefix, specs = _layer_specs(config, kind, layer, dtype)
+        layer_specs[layer] = (prefix, specs)
+        type_key = (kind, _window(config, kind), tuple((s, shape, d) for s, shape, d in specs))
+        spec_of_type.setdefault(type_key, []).append(layer)
+    if not spec_of_type:
+        raise ValueError("the config has no cached layer")
+    type_of_layer = {layer: key for key, layers in spec_of_type.items() for layer in layers}
+    # 2-3. Split to equal layer counts.
+    groups: dict[int, dict[str, torch.Tensor]] = {}
+    kinds: dict[int, str] = {}
+    windows: dict[int, int | None] = {}
+    layer_index: dict[str, int] = {}
+    for group_id, layers in enumerate(_split_like_vllm(list(spec_of_type.values()))):
+        kind, window, _ = type_of_layer[layers[0]]
+        tensors: dict[str, torch.Tensor] = {}
+        for layer in layers:
+            prefix, specs = layer_specs[layer]
+            for suffix, shape, tensor_dtype in specs:
+                full_shape = (num_blocks, *(tokens_per_block if d == -1 else d for d in shape))
+                name = prefix + suffix
+                tensors[name] = torch.zeros(full_shape, dtype=tensor_dtype, device=device)
+                layer_index[name] = layer
+        groups[group_id] = tensors
+        kinds[group_id] = kind
+        windows[group_id] = window
+    return HFKVGroups(
+        groups=groups,
+        block_dim=0,
+        tokens_per_block=dict.fromkeys(groups, tokens_per_block),
+        kinds=kinds,
+        layer_index=layer_index,
+        window=windows,
+    )
