@@ -43,12 +43,21 @@ Attention sinks (GPT-OSS) are weights, not cache: they change no shape.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["KIND_OF_LAYER_TYPE", "MAMBA_MODEL_TYPES", "HFKVGroups", "hf_kv_groups"]
+__all__ = [
+    "KIND_OF_LAYER_TYPE",
+    "MAMBA_MODEL_TYPES",
+    "HFKVGroups",
+    "blocks_to_cache",
+    "cache_to_blocks",
+    "hf_kv_groups",
+    "resident_blocks",
+]
 
 KIND_OF_LAYER_TYPE: dict[str, str] = {
     "full_attention": "full",
@@ -274,3 +283,163 @@ def hf_kv_groups(
         layer_index=layer_index,
         window=windows,
     )
+
+
+# --------------------------------------------------------------------------- DynamicCache <-> blocks
+def resident_blocks(kind: str, window: int | None, num_tokens: int, tokens_per_block: int) -> range:
+    """Logical blocks of a group that hold cache state after ``num_tokens`` tokens.
+
+    * full / MLA: every block ``0 .. ceil(num_tokens / T)``.
+    * sliding / chunked: transformers' ``DynamicSlidingWindowLayer`` keeps the
+      last ``window - 1`` tokens, so only the blocks overlapping positions
+      ``[num_tokens - min(num_tokens, window - 1), num_tokens)``.
+    * linear / mamba: the one block that ends at ``num_tokens`` (it carries the
+      state snapshot taken there).
+
+    Args:
+        kind: the group kind (see :class:`HFKVGroups`).
+        window: the group's window in tokens, or ``None``.
+        num_tokens: tokens in the cache (``> 0``).
+        tokens_per_block: tokens per block ``T``.
+
+    Returns:
+        A range of logical block indices.
+    """
+    num_blocks = -(-num_tokens // tokens_per_block)
+    if kind in ("linear", "mamba"):
+        return range(num_blocks - 1, num_blocks)
+    first = (num_tokens - _kept_tokens(kind, window, num_tokens)) // tokens_per_block
+    return range(first, num_blocks)
+
+
+def _kept_tokens(kind: str, window: int | None, num_tokens: int) -> int:
+    if kind in ("sliding", "chunked") and window is not None:
+        return min(num_tokens, window - 1)
+    return num_tokens
+
+
+def _token_rows(
+    kind: str, window: int | None, num_tokens: int, tokens_per_block: int
+) -> tuple[int, int, int]:
+    """Return ``(number of resident blocks, first row, stop row)`` of the kept tokens."""
+    blocks = resident_blocks(kind, window, num_tokens, tokens_per_block)
+    base = blocks.start * tokens_per_block
+    kept = _kept_tokens(kind, window, num_tokens)
+    return len(blocks), num_tokens - kept - base, num_tokens - base
+
+
+def _check_ids(group_id: int, block_ids: Sequence[int], expected: int) -> torch.Tensor:
+    if len(block_ids) != expected:
+        raise ValueError(
+            f"group {group_id}: {len(block_ids)} block ids for {expected} resident blocks"
+        )
+    return torch.as_tensor(list(block_ids), dtype=torch.long)
+
+
+def cache_to_blocks(
+    cache: Any,
+    kv: HFKVGroups,
+    num_tokens: int,
+    block_tables: Mapping[int, Sequence[int]],
+) -> None:
+    """Copy a transformers ``DynamicCache`` (batch 1) into the paged block tensors.
+
+    Positions outside the cache (the part of a sliding window block that the
+    layer already dropped, the tail of a partial last block) are written as zeros.
+
+    Args:
+        cache: a ``DynamicCache`` holding ``num_tokens`` tokens of one sequence.
+        kv: the paged tensors (:func:`hf_kv_groups`).
+        num_tokens: tokens in the cache.
+        block_tables: ``group_id -> GPU block ids`` of that group's resident
+            blocks (:func:`resident_blocks`), in order.
+
+    Raises:
+        ValueError: a table has the wrong length or a cache layer holds an
+            unexpected number of tokens.
+    """
+    for group_id, tensors in kv.groups.items():
+        kind, window = kv.kinds[group_id], kv.window[group_id]
+        tpb = kv.tokens_per_block[group_id]
+        nres, row0, row1 = _token_rows(kind, window, num_tokens, tpb)
+        ids = _check_ids(group_id, block_tables[group_id], nres)
+        for name, paged in tensors.items():
+            layer = cache.layers[kv.layer_index[name]]
+            if kind in ("linear", "mamba"):
+                states = layer.conv_states if name.endswith(".conv_state") else layer.recurrent_states
+                paged[ids] = states[0].to(paged.dtype)
+                continue
+            if kind == "mla":
+                rows = torch.cat([layer.keys[0, 0], layer.values[0, 0]], dim=-1)
+            else:
+                rows = torch.stack([layer.keys[0], layer.values[0]]).transpose(1, 2)
+            if rows.shape[-3 if kind != "mla" else 0] != row1 - row0:
+                raise ValueError(f"{name}: cache holds {tuple(rows.shape)}, expected {row1 - row0} tokens")
+            if kind == "mla":
+                buf = paged.new_zeros((nres * tpb, *paged.shape[2:]))
+                buf[row0:row1] = rows
+                paged[ids] = buf.view(nres, tpb, *paged.shape[2:])
+            else:
+                buf = paged.new_zeros((2, nres * tpb, *paged.shape[3:]))
+                buf[:, row0:row1] = rows
+                paged[ids] = buf.view(2, nres, tpb, *paged.shape[3:]).transpose(0, 1)
+
+
+def blocks_to_cache(
+    config: Any,
+    kv: HFKVGroups,
+    num_tokens: int,
+    block_tables: Mapping[int, Sequence[int]],
+) -> Any:
+    """Rebuild a transformers ``DynamicCache`` (batch 1) from the paged block tensors.
+
+    The inverse of :func:`cache_to_blocks`: the result holds, bitwise, the same
+    K/V (or latent, or conv/recurrent state) values and the same sequence
+    bookkeeping (``cumulative_length``, ``has_previous_state``) as the cache
+    that was paged out, so a model continues from it exactly as from the original.
+
+    Args:
+        config: the model's transformers config.
+        kv: the paged tensors.
+        num_tokens: tokens the cache held.
+        block_tables: ``group_id -> GPU block ids`` of the resident blocks.
+
+    Returns:
+        A ``DynamicCache(config=config)`` with every cached layer initialised.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    for group_id, tensors in kv.groups.items():
+        kind, window = kv.kinds[group_id], kv.window[group_id]
+        tpb = kv.tokens_per_block[group_id]
+        nres, row0, row1 = _token_rows(kind, window, num_tokens, tpb)
+        ids = _check_ids(group_id, block_tables[group_id], nres)
+        for name, paged in tensors.items():
+            layer = cache.layers[kv.layer_index[name]]
+            if kind in ("linear", "mamba"):
+                state = paged[ids[0]].unsqueeze(0).clone()
+                if name.endswith(".conv_state"):
+                    layer.lazy_initialization(
+                        conv_states=state, state_idx=0, conv_kernel_size=state.shape[-1]
+                    )
+                    layer.conv_states[0].copy_(state)
+                    layer.has_previous_state[0] = True
+                else:
+                    layer.lazy_initialization(recurrent_states=state, state_idx=0)
+                    layer.recurrent_states[0].copy_(state)
+                continue
+            if kind == "mla":
+                rows = paged[ids].reshape(nres * tpb, paged.shape[-1])[row0:row1]
+                split = int(_text_config(config).kv_lora_rank)
+                keys = rows[:, :split].contiguous()[None, None]
+                values = rows[:, split:].contiguous()[None, None]
+            else:
+                rows = paged[ids].transpose(0, 1).reshape(2, nres * tpb, *paged.shape[3:])
+                rows = rows[:, row0:row1].transpose(1, 2)  # (2, heads, tokens, head_dim)
+                keys, values = rows[0].contiguous()[None], rows[1].contiguous()[None]
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+            if hasattr(layer, "cumulative_length"):
+                layer.cumulative_length = num_tokens
+    return cache
