@@ -1,5 +1,12 @@
-"""kvtier: an asyncio transfer engine for LLM KV caches (GPU, pinned CPU slots, NVMe)."""
+"""kvtier: an asyncio transfer engine for LLM KV caches (GPU, pinned CPU slots, NVMe).
 
+Public names are re-exported here once; see DESIGN.md section 6.
+"""
+
+from kvtier._background import BackgroundEngine
+from kvtier._config import EngineConfig, NVMeConfig
+from kvtier._engine import TransferEngine
+from kvtier._policy import ARCPolicy, EvictionPolicy, LRUPolicy
 from kvtier._types import (
     Chunk,
     EngineStats,
@@ -10,15 +17,24 @@ from kvtier._types import (
     StoreResult,
 )
 from kvtier.errors import EngineClosedError, KVTierError
+from kvtier.layout import KVLayout
 
 __all__ = [
+    "ARCPolicy",
+    "BackgroundEngine",
     "Chunk",
     "EngineClosedError",
+    "EngineConfig",
     "EngineStats",
+    "EvictionPolicy",
+    "KVLayout",
     "KVTierError",
+    "LRUPolicy",
     "LoadResult",
     "Medium",
+    "NVMeConfig",
     "OffloadKey",
     "Residency",
     "StoreResult",
+    "TransferEngine",
 ]

@@ -1,0 +1,122 @@
+""":class:`BackgroundEngine`: a :class:`TransferEngine` on its own event-loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Coroutine, Iterable, Sequence
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+from kvtier._config import EngineConfig
+from kvtier._engine import TransferEngine
+from kvtier._types import Chunk, EngineStats, LoadResult, OffloadKey, Residency, StoreResult
+from kvtier.errors import EngineClosedError
+from kvtier.layout import KVLayout
+
+T = TypeVar("T")
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        loop = asyncio.new_event_loop()
+    return loop
+
+
+class BackgroundEngine:
+    """The same engine on a private uvloop thread, for synchronous serving loops.
+
+    ``store``, ``load`` and ``flush`` return :class:`concurrent.futures.Future`
+    objects (call ``.result()`` to block); ``lookup``, ``prefix_hits`` and
+    ``stats`` return their values directly (they run on the engine thread).
+
+    Args:
+        layout: the registered GPU KV cache.
+        config: sizing and policies.
+
+    Raises:
+        BudgetError: ``cpu_bytes`` cannot hold one slot.
+    """
+
+    def __init__(self, layout: KVLayout, config: EngineConfig) -> None:
+        self.engine = TransferEngine(layout, config)
+        self._loop = _new_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-loop", daemon=True)
+        self._closed = False
+
+    @property
+    def num_slots(self) -> int:
+        """Slots in the CPU pool."""
+        return self.engine.num_slots
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        if self._closed or not self._thread.is_alive():
+            coro.close()
+            raise EngineClosedError("BackgroundEngine is closed or not started")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
+    def start(self) -> Self:
+        """Start the loop thread and the engine (blocks until started).
+
+        Raises:
+            EngineClosedError: already closed.
+        """
+        if self._closed:
+            raise EngineClosedError("BackgroundEngine is closed")
+        self._thread.start()
+        self._submit(self.engine.start()).result()
+        return self
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def store(self, chunks: Sequence[Chunk], *, durable: bool = False) -> concurrent.futures.Future[StoreResult]:
+        """:meth:`TransferEngine.store` on the engine thread; returns a Future."""
+        return self._submit(self.engine.store(chunks, durable=durable))
+
+    def load(self, chunks: Sequence[Chunk]) -> concurrent.futures.Future[LoadResult]:
+        """:meth:`TransferEngine.load` on the engine thread; returns a Future."""
+        return self._submit(self.engine.load(chunks))
+
+    def flush(self) -> concurrent.futures.Future[None]:
+        """:meth:`TransferEngine.flush` on the engine thread; returns a Future."""
+        return self._submit(self.engine.flush())
+
+    def lookup(self, keys: Iterable[OffloadKey]) -> list[Residency]:
+        """:meth:`TransferEngine.lookup`, run on the engine thread (blocks briefly)."""
+        result: list[Residency] = self._submit(self._call(self.engine.lookup, list(keys))).result()
+        return result
+
+    def prefix_hits(self, keys: Iterable[OffloadKey]) -> int:
+        """:meth:`TransferEngine.prefix_hits`, run on the engine thread (blocks briefly)."""
+        result: int = self._submit(self._call(self.engine.prefix_hits, list(keys))).result()
+        return result
+
+    def stats(self) -> EngineStats:
+        """:meth:`TransferEngine.stats`, run on the engine thread (blocks briefly)."""
+        result: EngineStats = self._submit(self._call(self.engine.stats)).result()
+        return result
+
+    def close(self, *, hard: bool = False) -> None:
+        """Close the engine and stop the thread (blocks until done). Idempotent."""
+        if self._closed:
+            return
+        if self._thread.is_alive():
+            self._submit(self.engine.aclose(hard=hard)).result()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+        self._closed = True
+        self._loop.close()

@@ -1,0 +1,103 @@
+"""Engine configuration: :class:`EngineConfig` and :class:`NVMeConfig`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvtier.errors import BudgetError, ConfigError
+
+if TYPE_CHECKING:
+    from kvtier.io import RowIO
+
+
+def _positive_int(name: str, value: Any, error: type[ConfigError] = ConfigError) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise error(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class NVMeConfig:
+    """Where and how the NVMe tier stores rows.
+
+    Attributes:
+        root: directory holding one ``<namespace>-<digest16>/`` folder per format.
+        capacity_bytes: upper bound of row bytes on disk (LRU eviction over rows).
+        namespace: the user's label (model id, rank); part of the format digest.
+        io_backend: ``"auto"`` (kvikio when it imports and a CUDA driver loads,
+            else posix), ``"posix"`` or ``"kvikio"``.
+        direct_io: ``"auto"`` (probe O_DIRECT, fall back visibly), ``"on"``
+            (raise if unsupported) or ``"off"``.
+        io_threads: worker threads for row I/O.
+        segment_nbytes: size of one preallocated segment file in bytes.
+        request_nbytes: largest single read/write request in bytes (4 KiB multiple).
+        row_io_wrapper: wraps the chosen RowIO backend (fault injection, tracing).
+
+    Raises:
+        ConfigError: a value is out of range.
+    """
+
+    root: str | os.PathLike[str]
+    capacity_bytes: int
+    namespace: str = "default"
+    io_backend: str = "auto"
+    direct_io: str = "auto"
+    io_threads: int = 4
+    segment_nbytes: int = 256 << 20
+    request_nbytes: int = 4 << 20
+    row_io_wrapper: Callable[[RowIO], RowIO] | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("NVMeConfig.capacity_bytes", self.capacity_bytes)
+        _positive_int("NVMeConfig.io_threads", self.io_threads)
+        _positive_int("NVMeConfig.segment_nbytes", self.segment_nbytes)
+        _positive_int("NVMeConfig.request_nbytes", self.request_nbytes)
+        if self.request_nbytes % 4096:
+            raise ConfigError(f"NVMeConfig.request_nbytes must be a 4096 multiple: {self.request_nbytes}")
+        if not isinstance(self.namespace, str) or not self.namespace:
+            raise ConfigError(f"NVMeConfig.namespace must be a non-empty str: {self.namespace!r}")
+        if self.io_backend not in ("auto", "posix", "kvikio"):
+            raise ConfigError(f"NVMeConfig.io_backend {self.io_backend!r} not in auto/posix/kvikio")
+        if self.direct_io not in ("auto", "on", "off"):
+            raise ConfigError(f"NVMeConfig.direct_io {self.direct_io!r} not in auto/on/off")
+        if not isinstance(self.root, str | os.PathLike):
+            raise ConfigError(f"NVMeConfig.root must be a path, got {type(self.root).__name__}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine sizing and policies.
+
+    Attributes:
+        cpu_bytes: budget of the pinned CPU pool in bytes;
+            ``num_slots = cpu_bytes // layout.slot_nbytes(blocks_per_chunk)``.
+        blocks_per_chunk: GPU blocks per chunk (the unit of offload), ``> 0``.
+        eviction: ``"lru"`` (default) or ``"arc"``.
+        nvme: the NVMe tier, or None for CPU only.
+        max_batch_chunks: largest number of chunk copies coalesced into one job.
+        pin_memory: page-lock the CPU pool on CUDA hosts.
+        write_through: write every stored key to NVMe in the background.
+
+    Raises:
+        BudgetError: ``cpu_bytes`` is not a positive int.
+        ConfigError: another value is out of range.
+    """
+
+    cpu_bytes: int
+    blocks_per_chunk: int = 4
+    eviction: str = "lru"
+    nvme: NVMeConfig | None = None
+    max_batch_chunks: int = 1024
+    pin_memory: bool = True
+    write_through: bool = True
+
+    def __post_init__(self) -> None:
+        _positive_int("EngineConfig.cpu_bytes", self.cpu_bytes, BudgetError)
+        _positive_int("EngineConfig.blocks_per_chunk", self.blocks_per_chunk)
+        _positive_int("EngineConfig.max_batch_chunks", self.max_batch_chunks)
+        if self.eviction not in ("lru", "arc"):
+            raise ConfigError(f"EngineConfig.eviction {self.eviction!r} not in lru/arc")
+        if self.nvme is not None and not isinstance(self.nvme, NVMeConfig):
+            raise ConfigError("EngineConfig.nvme must be an NVMeConfig or None")

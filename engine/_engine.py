@@ -1,0 +1,627 @@
+"""The asyncio transfer engine: ``store`` / ``load`` chunks of one KV cache group."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Self
+
+from kvtier._config import EngineConfig
+from kvtier._policy import make_policy
+from kvtier._slots import HostRegion, SlotEntry, SlotPool, SlotState
+from kvtier._transfer import ChunkCopy, CopyExecutor, Direction
+from kvtier._types import (
+    Chunk,
+    EngineStats,
+    LoadResult,
+    OffloadKey,
+    Residency,
+    StoreResult,
+)
+from kvtier.errors import (
+    BlockIdError,
+    BudgetError,
+    ChunkRangeError,
+    DuplicateKeyError,
+    EngineClosedError,
+    InvalidArgumentError,
+    KeyNotResidentError,
+    NotStoredError,
+    StorageError,
+    TransferError,
+    UnknownGroupError,
+)
+from kvtier.layout import KVLayout
+
+log = logging.getLogger("kvtier")
+
+
+@dataclass
+class _Call:
+    """One store/load call's share of a job."""
+
+    copies: list[ChunkCopy]
+    done: asyncio.Future[BaseException | None]
+
+
+@dataclass
+class _PreparedStore:
+    """A store call after its synchronous half (slots reserved, copies submitted)."""
+
+    by_key: dict[OffloadKey, Chunk]
+    entries: list[SlotEntry]
+    skipped: list[OffloadKey]
+    rejected: list[OffloadKey]
+    ready: asyncio.Future[bool]
+    call: _Call | None
+
+
+@dataclass
+class _Ctx:
+    """Set by the awaiting caller when it is cancelled."""
+
+    cancelled: bool = False
+
+
+@dataclass
+class _Counters:
+    hits: int = 0
+    misses: int = 0
+    rejected: int = 0
+    load_failures: int = 0
+    store_bytes: int = 0
+    store_seconds: float = 0.0
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    store_jobs: int = 0
+    load_jobs: int = 0
+    nvme_hits: int = 0
+    nvme_write_failures: int = 0
+    promotions: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+
+
+class TransferEngine:
+    """Moves chunks of ONE KV cache group at a time between GPU blocks, CPU slots and NVMe.
+
+    The CPU pool holds ``num_slots = cpu_bytes // layout.slot_nbytes(blocks_per_chunk)``
+    slots, each sized for the LARGEST group, so ``num_slots`` keys of any group
+    mix fit without eviction. Use it as an async context manager, or call
+    :meth:`start` and :meth:`aclose`. All methods must be called from the event
+    loop thread that started the engine (use :class:`BackgroundEngine` from
+    synchronous code).
+
+    Args:
+        layout: the registered GPU KV cache.
+        config: sizing and policies.
+
+    Raises:
+        BudgetError: ``cpu_bytes`` cannot hold one slot.
+        InvalidArgumentError: ``layout`` / ``config`` have the wrong type.
+    """
+
+    def __init__(self, layout: KVLayout, config: EngineConfig) -> None:
+        if not isinstance(layout, KVLayout):
+            raise InvalidArgumentError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        if not isinstance(config, EngineConfig):
+            raise InvalidArgumentError(f"config must be an EngineConfig, got {type(config).__name__}")
+        self.layout = layout
+        self.config = config
+        bpc = config.blocks_per_chunk
+        self.blocks_per_chunk = bpc
+        self.slot_nbytes = layout.slot_nbytes(bpc)
+        self.num_slots = config.cpu_bytes // self.slot_nbytes
+        if self.num_slots < 1:
+            raise BudgetError(
+                f"cpu_bytes={config.cpu_bytes} cannot hold one slot of {self.slot_nbytes} bytes "
+                f"(largest group chunk + 4 KiB trailer, blocks_per_chunk={bpc})"
+            )
+        self._offsets = {g: layout.layer_offsets(g, bpc) for g in layout.group_ids}
+        self._group_nbytes = {g: layout.group_nbytes(g, bpc) for g in layout.group_ids}
+        self._alias_class = self._alias_classes(layout)
+        self._state = "new"
+        self._region: HostRegion | None = None
+        self._pool = SlotPool(self.num_slots, make_policy(config.eviction, self.num_slots))
+        self._executors: dict[Direction, CopyExecutor] = {}
+        self._pending: dict[Direction, list[_Call]] = {"store": [], "load": []}
+        self._scheduled: dict[Direction, bool] = {"store": False, "load": False}
+        self._ready: dict[OffloadKey, asyncio.Future[bool]] = {}
+        self._tasks: set[asyncio.Future[Any]] = set()
+        self._c = _Counters()
+        self._nvme: Any = None
+        self._writer: Any = None
+
+    @staticmethod
+    def _alias_classes(layout: KVLayout) -> dict[int, int]:
+        """Map each group to the smallest group id sharing storage with it."""
+        storages = {
+            g: {p.view.untyped_storage().data_ptr() for lay in layout.group(g).layers for p in lay.pieces}
+            for g in layout.group_ids
+        }
+        cls = {g: g for g in layout.group_ids}
+        changed = True
+        while changed:
+            changed = False
+            for a in layout.group_ids:
+                for b in layout.group_ids:
+                    if cls[a] != cls[b] and storages[a] & storages[b]:
+                        cls[a] = cls[b] = min(cls[a], cls[b])
+                        changed = True
+        return cls
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> Self:
+        """Allocate and pre-fault the CPU pool, open the NVMe tier.
+
+        Blocks nothing on the event loop (pre-faulting runs in a worker thread).
+
+        Raises:
+            EngineClosedError: the engine was already started or closed.
+            ConfigError: the NVMe root is unusable.
+            NamespaceLockedError: another engine holds the NVMe namespace.
+        """
+        if self._state != "new":
+            raise EngineClosedError(f"engine cannot start in state {self._state!r}")
+        self._state = "starting"
+        loop = asyncio.get_running_loop()
+        try:
+            region = HostRegion(self.num_slots * self.slot_nbytes, pin=self.config.pin_memory)
+            self._region = region
+            await loop.run_in_executor(None, region.prefault)
+            self._executors = {d: CopyExecutor(self.layout.device, d) for d in ("store", "load")}
+            if self.config.nvme is not None:
+                from kvtier._writeback import NVMeWriter, open_tier
+
+                self._nvme = await open_tier(self)
+                self._writer = NVMeWriter(self, self._nvme)
+        except BaseException:
+            self._state = "closed"
+            await self._release()
+            raise
+        self._state = "open"
+        return self
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self, *, hard: bool = False) -> None:
+        """Close the engine; later calls raise :class:`EngineClosedError`.
+
+        Args:
+            hard: cancel background NVMe writes instead of draining them (keys
+                whose row was not fully written stay invisible on NVMe).
+
+        Idempotent. Waits for in-flight copies (they touch slots and GPU blocks).
+        """
+        if self._state in ("closed", "closing"):
+            return
+        self._state = "closing"
+        try:
+            if self._writer is not None:
+                if hard:
+                    self._writer.cancel()
+                await self._writer.drain()
+            while self._tasks:
+                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        finally:
+            self._state = "closed"
+            await self._release()
+
+    async def _release(self) -> None:
+        if self._nvme is not None:
+            await self._nvme.close()
+            self._nvme = None
+        for ex in self._executors.values():
+            ex.close()
+        self._executors = {}
+        if self._region is not None:
+            self._region.close()
+            self._region = None
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise EngineClosedError(f"engine is {self._state}; no call is accepted")
+
+    # ------------------------------------------------------------------ queries
+    def lookup(self, keys: Iterable[OffloadKey]) -> list[Residency]:
+        """Where each key can be loaded from now (no I/O, never blocks).
+
+        Args:
+            keys: offload keys.
+
+        Returns:
+            One :class:`Residency` per key: ``PENDING`` while a store or a
+            promotion is in flight, ``CPU`` for a resident slot, ``NVME`` when
+            only a fully written row exists, else ``MISS``.
+
+        Raises:
+            EngineClosedError: the engine is not open.
+        """
+        self._check_open()
+        out = []
+        for key in keys:
+            entry = self._pool.get(key)
+            if entry is not None:
+                out.append(Residency.PENDING if entry.writing else Residency.CPU)
+            elif self._nvme is not None and self._nvme.contains(key):
+                out.append(Residency.NVME)
+            else:
+                out.append(Residency.MISS)
+        return out
+
+    def prefix_hits(self, keys: Iterable[OffloadKey]) -> int:
+        """Number of leading keys that a load can serve (``CPU``, ``NVME`` or ``PENDING``).
+
+        Raises:
+            EngineClosedError: the engine is not open.
+        """
+        n = 0
+        for residency in self.lookup(keys):
+            if residency is Residency.MISS:
+                break
+            n += 1
+        return n
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self, chunks: Sequence[Chunk], *, load: bool) -> None:
+        if isinstance(chunks, Chunk | str | bytes) or not isinstance(chunks, Sequence):
+            raise InvalidArgumentError("chunks must be a sequence of kvtier.Chunk")
+        seen: set[OffloadKey] = set()
+        gpu_blocks: set[tuple[int, int]] = set()
+        for chunk in chunks:
+            if not isinstance(chunk, Chunk):
+                raise InvalidArgumentError(f"expected kvtier.Chunk, got {type(chunk).__name__}")
+            key = chunk.key
+            group = self.layout.group(key.group_id) if key.group_id in self._offsets else None
+            if group is None:
+                raise UnknownGroupError(
+                    f"{key}: group_id {key.group_id} is not registered (groups: {list(self._offsets)})"
+                )
+            if key in seen:
+                raise DuplicateKeyError(f"{key} appears twice in one call")
+            seen.add(key)
+            if chunk.stop > self.blocks_per_chunk:
+                raise ChunkRangeError(
+                    f"{key}: offset {chunk.offset} + {len(chunk.block_ids)} block_ids > "
+                    f"blocks_per_chunk {self.blocks_per_chunk}"
+                )
+            for b in chunk.block_ids:
+                if not 0 <= b < group.num_blocks:
+                    raise BlockIdError(f"{key}: block_id {b} outside [0, {group.num_blocks})")
+                if load:
+                    slot = (self._alias_class[key.group_id], b)
+                    if slot in gpu_blocks:
+                        raise BlockIdError(f"{key}: GPU block {b} is written twice by one load")
+                    gpu_blocks.add(slot)
+
+    # ------------------------------------------------------------------ store
+    async def store(self, chunks: Sequence[Chunk], *, durable: bool = False) -> StoreResult:
+        """Copy chunks from their GPU blocks into CPU slots (and write them through to NVMe).
+
+        Returns when every GPU->CPU copy of the call has completed, so the GPU
+        blocks may be reused. NVMe write-through continues in the background
+        unless ``durable`` is True, in which case it also waits until the
+        call's rows are durable (``fdatasync``).
+
+        Stores issued in the same event-loop iteration are coalesced into one
+        job. Keys already present (CPU, in flight or on NVMe) are skipped.
+        Keys that find no free or evictable slot are rejected (never waits for
+        room). Eviction never picks a key of the same call.
+
+        Cancellation: the copy already submitted still completes; the call's
+        slots are then freed (the keys are not kept), never while in use.
+
+        Args:
+            chunks: one :class:`Chunk` per key, ``block_ids`` in
+                ``[0, num_blocks)`` of its group, ``offset + len(block_ids) <=
+                blocks_per_chunk``, no key twice.
+            durable: wait for the call's NVMe rows to be durable.
+
+        Returns:
+            :class:`StoreResult` with ``stored``, ``skipped`` and ``rejected`` keys.
+
+        Raises:
+            InvalidArgumentError: bad chunks (subclasses name the rule); nothing changed.
+            EngineClosedError: the engine is not open.
+        """
+        self._check_open()
+        self._validate(chunks, load=False)
+        prepared = self._prepare_store(list(chunks))
+        ctx = _Ctx()
+        task = asyncio.ensure_future(self._finish_store(prepared, durable, ctx))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            ctx.cancelled = True
+            raise
+
+    def _prepare_store(self, chunks: list[Chunk]) -> _PreparedStore:
+        """Synchronous half of a store: skip present keys, reserve slots, submit the copies."""
+        skipped, requests, by_key = [], [], {}
+        for chunk in chunks:
+            key = chunk.key
+            entry = self._pool.get(key)
+            if entry is not None or (self._nvme is not None and self._nvme.contains(key)):
+                skipped.append(key)
+                if entry is not None and not entry.writing:
+                    self._pool.touch(key)
+                continue
+            nbytes = len(chunk.block_ids) * self.layout.group(key.group_id).block_payload_nbytes
+            requests.append((key, chunk.offset, chunk.stop, nbytes))
+            by_key[key] = chunk
+        entries, rejected, _evicted = self._pool.reserve(requests, protect=by_key.keys())
+        self._c.rejected += len(rejected)
+        loop = asyncio.get_running_loop()
+        prepared = _PreparedStore(by_key, entries, skipped, rejected, loop.create_future(), None)  # type: ignore[arg-type]
+        for entry in entries:
+            self._ready[entry.key] = prepared.ready  # type: ignore[index]
+        if entries:
+            copies = [self._copy(by_key[e.key], e.slot) for e in entries]  # type: ignore[index]
+            prepared.call = _Call(copies, loop.create_future())
+            self._submit("store", prepared.call)
+        return prepared
+
+    async def _finish_store(self, p: _PreparedStore, durable: bool, ctx: _Ctx) -> StoreResult:
+        error = None if p.call is None else await p.call.done
+        stored: list[OffloadKey] = []
+        rejected = list(p.rejected)
+        for entry in p.entries:
+            key: OffloadKey = entry.key  # type: ignore[assignment]
+            self._ready.pop(key, None)
+            if error is not None or ctx.cancelled:
+                self._pool.abort(key)
+                rejected.append(key)
+            else:
+                self._pool.commit(key)
+                stored.append(key)
+        p.ready.set_result(error is None and not ctx.cancelled)
+        if stored and self._writer is not None and self.config.write_through:
+            written = self._writer.enqueue([(k, p.by_key[k]) for k in stored])
+            if durable:
+                await written
+                await self._nvme.flush()
+        return StoreResult(tuple(stored), tuple(p.skipped), tuple(rejected))
+
+    def _copy(self, chunk: Chunk, slot: int) -> ChunkCopy:
+        assert self._region is not None
+        g = chunk.key.group_id
+        return ChunkCopy(
+            self.layout.group(g), self._offsets[g], self._region.slot(slot, self.slot_nbytes),
+            chunk.block_ids, chunk.offset,
+        )
+
+    # ------------------------------------------------------------------ jobs
+    def _submit(self, direction: Direction, call: _Call) -> None:
+        self._pending[direction].append(call)
+        if not self._scheduled[direction]:
+            self._scheduled[direction] = True
+            asyncio.get_running_loop().call_soon(self._flush_pending, direction)
+
+    def _flush_pending(self, direction: Direction) -> None:
+        self._scheduled[direction] = False
+        calls, self._pending[direction] = self._pending[direction], []
+        job: list[_Call] = []
+        size = 0
+        for call in calls:
+            if job and size + len(call.copies) > self.config.max_batch_chunks:
+                self._start_job(direction, job)
+                job, size = [], 0
+            job.append(call)
+            size += len(call.copies)
+        if job:
+            self._start_job(direction, job)
+
+    def _start_job(self, direction: Direction, calls: list[_Call]) -> None:
+        task = asyncio.ensure_future(self._run_job(direction, calls))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_job(self, direction: Direction, calls: list[_Call]) -> None:
+        plan = [c for call in calls for c in call.copies]
+        t0 = time.perf_counter()
+        error: BaseException | None = None
+        try:
+            await self._executors[direction].run(plan)
+        except TransferError as exc:
+            error = exc
+            self._c.failures["transfer"] = self._c.failures.get("transfer", 0) + 1
+        seconds = time.perf_counter() - t0
+        nbytes = sum(c.nbytes for c in plan)
+        if direction == "store":
+            self._c.store_jobs += 1
+            self._c.store_bytes += nbytes
+            self._c.store_seconds += seconds
+        else:
+            self._c.load_jobs += 1
+            self._c.load_bytes += nbytes
+            self._c.load_seconds += seconds
+        for call in calls:
+            if not call.done.done():
+                call.done.set_result(error)
+
+    # ------------------------------------------------------------------ load
+    async def load(self, chunks: Sequence[Chunk]) -> LoadResult:
+        """Copy chunks from CPU slots (promoting NVMe rows first) into their GPU blocks.
+
+        Returns when the bytes are in the GPU blocks. A key whose store is in
+        flight is waited for. A key on NVMe only is read into a CPU slot,
+        verified (trailer and checksum) and then copied; a key on no medium, a
+        failed read or a failed copy lands in ``LoadResult.failed`` and its GPU
+        blocks receive no bytes from kvtier. Loads issued in the same event-loop
+        iteration are coalesced into one job.
+
+        Cancellation: copies already submitted complete (and may still write
+        their GPU blocks); slots are unpinned only after that. Copies not yet
+        submitted are skipped.
+
+        Args:
+            chunks: one :class:`Chunk` per key; a GPU block may appear only once
+                per call; sub-blocks ``offset .. offset+len(block_ids)`` must
+                have been stored.
+
+        Returns:
+            :class:`LoadResult`.
+
+        Raises:
+            InvalidArgumentError: bad chunks, or sub-blocks that were never
+                stored (:class:`NotStoredError`); nothing changed.
+            EngineClosedError: the engine is not open.
+        """
+        self._check_open()
+        self._validate(chunks, load=True)
+        for chunk in chunks:
+            self._check_range(chunk)
+        ctx = _Ctx()
+        task = asyncio.ensure_future(self._load(list(chunks), ctx))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            ctx.cancelled = True
+            raise
+
+    def _stored_range(self, key: OffloadKey) -> tuple[int, int] | None:
+        entry = self._pool.get(key)
+        if entry is not None:
+            return entry.start, entry.stop
+        if self._nvme is not None:
+            rng: tuple[int, int] | None = self._nvme.stored_range(key)
+            return rng
+        return None
+
+    def _check_range(self, chunk: Chunk) -> None:
+        rng = self._stored_range(chunk.key)
+        if rng is not None and not (rng[0] <= chunk.offset and chunk.stop <= rng[1]):
+            raise NotStoredError(
+                f"{chunk.key}: sub-blocks [{chunk.offset}, {chunk.stop}) requested, "
+                f"[{rng[0]}, {rng[1]}) stored"
+            )
+
+    async def _load(self, chunks: list[Chunk], ctx: _Ctx) -> LoadResult:
+        failed: dict[OffloadKey, BaseException] = {}
+        # Wait for stores / promotions in flight on these keys.
+        waits = {self._ready[c.key] for c in chunks if c.key in self._ready}
+        if waits:
+            await asyncio.gather(*waits)
+        pinned: list[Chunk] = []
+        promote: list[Chunk] = []
+        for chunk in chunks:
+            key = chunk.key
+            entry = self._pool.get(key)
+            if entry is not None and not entry.writing:
+                self._pool.pin(key)
+                self._pool.touch(key)
+                pinned.append(chunk)
+                self._c.hits += 1
+            elif entry is None and self._nvme is not None and self._nvme.contains(key):
+                promote.append(chunk)
+            else:
+                self._c.misses += 1
+                failed[key] = KeyNotResidentError(f"{key} is on no medium (evicted or never stored)")
+        if promote:
+            ok, errors = await self._writer.promote(promote, protect={c.key for c in chunks})
+            pinned.extend(ok)
+            failed.update(errors)
+        for chunk in list(pinned):
+            try:
+                self._check_range(chunk)  # a promoted row may hold another range
+            except NotStoredError as exc:
+                self._pool.unpin(chunk.key)
+                pinned.remove(chunk)
+                failed[chunk.key] = exc
+        loaded: list[OffloadKey] = []
+        if pinned:
+            error: BaseException | None
+            if ctx.cancelled:
+                error = asyncio.CancelledError()
+            else:
+                copies = []
+                for chunk in pinned:
+                    entry = self._pool.get(chunk.key)
+                    assert entry is not None
+                    copies.append(self._copy(chunk, entry.slot))
+                call = _Call(copies, asyncio.get_running_loop().create_future())
+                self._submit("load", call)
+                error = await call.done
+            for chunk in pinned:
+                self._pool.unpin(chunk.key)
+                if error is None:
+                    loaded.append(chunk.key)
+                else:
+                    failed[chunk.key] = error
+                    self._c.load_failures += 1
+        return LoadResult(tuple(loaded), failed)
+
+    # ------------------------------------------------------------------ flush / stats
+    async def flush(self) -> None:
+        """Return when every key stored before the call is durable on NVMe.
+
+        Waits for the write-through of those keys, then ``fdatasync``\\ s the
+        segment files they went to (batched). No-op without NVMe.
+
+        Raises:
+            EngineClosedError: the engine is not open.
+        """
+        self._check_open()
+        if self._writer is not None:
+            await self._writer.flush()
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the counters (never blocks).
+
+        ``reserved_nbytes`` is ``slot_nbytes`` times occupied slots;
+        ``slot_waste_nbytes`` is reserved minus the payload the keys use.
+        """
+        pool = self._pool
+        per_group: dict[int, int] = {}
+        payload = 0
+        for e in pool.entries():
+            g = e.key.group_id  # type: ignore[attr-defined]
+            per_group[g] = per_group.get(g, 0) + 1
+            payload += e.payload_nbytes
+        occupied = self.num_slots - pool.free_count
+        c = self._c
+        nvme = None
+        if self._nvme is not None:
+            nvme = dict(self._nvme.stats())
+            nvme.update(self._writer.stats())
+        return EngineStats(
+            num_slots=self.num_slots,
+            slot_nbytes=self.slot_nbytes,
+            slots_free=pool.free_count,
+            slots_writing=pool.count(SlotState.WRITING),
+            slots_resident=pool.count(SlotState.RESIDENT),
+            slots_pinned=pool.count(SlotState.PINNED),
+            keys_per_group=dict(sorted(per_group.items())),
+            payload_nbytes=payload,
+            reserved_nbytes=occupied * self.slot_nbytes,
+            slot_waste_nbytes=occupied * self.slot_nbytes - payload,
+            hits=c.hits,
+            misses=c.misses,
+            evictions=pool.evictions,
+            rejected=c.rejected,
+            store_bytes=c.store_bytes,
+            store_seconds=c.store_seconds,
+            load_bytes=c.load_bytes,
+            load_seconds=c.load_seconds,
+            store_jobs=c.store_jobs,
+            load_jobs=c.load_jobs,
+            load_failures=c.load_failures,
+            pinned_memory=bool(self._region and self._region.pinned),
+            nvme=nvme,
+        )
+
+
+

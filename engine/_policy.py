@@ -1,0 +1,136 @@
+"""Eviction policies for the CPU slot pool: ``lru`` (default) and ``arc``.
+
+A policy only orders resident keys; the slot pool decides which of them are
+evictable (resident, not pinned, not part of the current call).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator
+from typing import Protocol, runtime_checkable
+
+from kvtier.errors import ConfigError
+
+
+@runtime_checkable
+class EvictionPolicy(Protocol):
+    """Orders resident keys for eviction. Implementations are synchronous and not thread-safe."""
+
+    def insert(self, key: Hashable) -> None:
+        """A key became resident."""
+
+    def touch(self, key: Hashable) -> None:
+        """A resident key was hit (loaded or stored again)."""
+
+    def remove(self, key: Hashable, *, evicted: bool) -> None:
+        """A key left the tier; ``evicted`` is True when the policy chose it."""
+
+    def candidates(self) -> Iterator[Hashable]:
+        """Resident keys, the best victim first."""
+
+
+class LRUPolicy:
+    """Least recently used: the key whose last insert/touch is oldest goes first."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Hashable, None] = OrderedDict()
+
+    def insert(self, key: Hashable) -> None:
+        """Mark ``key`` most recently used."""
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def touch(self, key: Hashable) -> None:
+        """Mark ``key`` most recently used (no-op when absent)."""
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def remove(self, key: Hashable, *, evicted: bool) -> None:
+        """Forget ``key``."""
+        self._order.pop(key, None)
+
+    def candidates(self) -> Iterator[Hashable]:
+        """Keys from least to most recently used."""
+        return iter(list(self._order))
+
+
+class ARCPolicy:
+    """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003, "ARC: A Self-Tuning,
+    Low Overhead Replacement Cache", Fig. 4).
+
+    ``T1`` holds keys seen once, ``T2`` keys seen at least twice; the ghost lists
+    ``B1``/``B2`` remember recently evicted keys and steer the target size
+    ``p`` of ``T1``. Pinned keys are skipped by the pool, so the victim may come
+    from the other list when the preferred one has nothing evictable.
+
+    Args:
+        capacity: the cache size ``c`` in keys (the number of slots), ``> 0``.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ConfigError(f"ARC capacity must be > 0, got {capacity}")
+        self.capacity = capacity
+        self.p = 0.0
+        self.t1: OrderedDict[Hashable, None] = OrderedDict()
+        self.t2: OrderedDict[Hashable, None] = OrderedDict()
+        self.b1: OrderedDict[Hashable, None] = OrderedDict()
+        self.b2: OrderedDict[Hashable, None] = OrderedDict()
+
+    def insert(self, key: Hashable) -> None:
+        """A new resident key: into ``T2`` when a ghost hit, else ``T1`` (adapts ``p``)."""
+        if key in self.t1 or key in self.t2:
+            self.touch(key)
+            return
+        if key in self.b1:
+            self.p = min(float(self.capacity), self.p + max(len(self.b2) / len(self.b1), 1.0))
+            del self.b1[key]
+            self.t2[key] = None
+        elif key in self.b2:
+            self.p = max(0.0, self.p - max(len(self.b1) / len(self.b2), 1.0))
+            del self.b2[key]
+            self.t2[key] = None
+        else:
+            self.t1[key] = None
+
+    def touch(self, key: Hashable) -> None:
+        """A hit moves ``key`` to the MRU end of ``T2``."""
+        if key in self.t1:
+            del self.t1[key]
+            self.t2[key] = None
+        elif key in self.t2:
+            self.t2.move_to_end(key)
+
+    def remove(self, key: Hashable, *, evicted: bool) -> None:
+        """Drop ``key``; an evicted key is remembered in its ghost list."""
+        for live, ghost in ((self.t1, self.b1), (self.t2, self.b2)):
+            if key in live:
+                del live[key]
+                if evicted:
+                    ghost[key] = None
+                    while len(ghost) > self.capacity:
+                        ghost.popitem(last=False)
+                return
+
+    def candidates(self) -> Iterator[Hashable]:
+        """LRU of ``T1`` first when ``|T1| > p`` (else ``T2`` first), then the other list."""
+        first, second = (self.t1, self.t2) if len(self.t1) > self.p or not self.t2 else (self.t2, self.t1)
+        return iter([*first, *second])
+
+
+def make_policy(name: str, capacity: int) -> EvictionPolicy:
+    """Build a policy by name.
+
+    Args:
+        name: ``"lru"`` or ``"arc"``.
+        capacity: slots in the pool (used by ARC).
+
+    Raises:
+        ConfigError: unknown name.
+    """
+    if name == "lru":
+        return LRUPolicy()
+    if name == "arc":
+        return ARCPolicy(capacity)
+    raise ConfigError(f"unknown eviction policy {name!r} (expected 'lru' or 'arc')")

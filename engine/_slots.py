@@ -1,0 +1,247 @@
+"""The CPU tier: one page-aligned host region cut into fixed-size slots.
+
+:class:`SlotPool` is a pure, synchronous state machine (no I/O, no awaits):
+
+``free -> writing`` (reserved by a store, not readable) ``-> resident``
+(evictable) ``<-> pinned`` (ref count > 0 while loads or NVMe writes read it).
+A ``writing`` slot goes back to ``free`` when its copy fails or its store is
+cancelled. Eviction never picks a key of the same call and is all or nothing.
+:class:`HostRegion` owns the memory.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import mmap
+from collections.abc import Collection, Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier._policy import EvictionPolicy
+from kvtier.errors import KVTierError
+
+log = logging.getLogger("kvtier")
+
+
+class SlotState(enum.Enum):
+    """The state of one slot."""
+
+    FREE = "free"
+    WRITING = "writing"
+    RESIDENT = "resident"
+    PINNED = "pinned"
+
+
+@dataclass
+class SlotEntry:
+    """What a non-free slot holds.
+
+    Attributes:
+        key: the offload key.
+        slot: slot index.
+        start: first stored sub-block.
+        stop: one past the last stored sub-block.
+        writing: True until the store's copy completed.
+        refs: pins held by loads and NVMe writes.
+        payload_nbytes: bytes of payload the key actually uses (for waste stats).
+    """
+
+    key: Hashable
+    slot: int
+    start: int
+    stop: int
+    writing: bool
+    refs: int
+    payload_nbytes: int
+
+    @property
+    def state(self) -> SlotState:
+        """The derived :class:`SlotState`."""
+        if self.writing:
+            return SlotState.WRITING
+        return SlotState.PINNED if self.refs else SlotState.RESIDENT
+
+
+class SlotStateError(KVTierError):
+    """An internal slot transition was illegal (a kvtier bug, never user input)."""
+
+
+class SlotPool:
+    """Slot bookkeeping for ``num_slots`` fixed-size slots.
+
+    Args:
+        num_slots: number of slots (``> 0``).
+        policy: the eviction policy ordering resident keys.
+    """
+
+    def __init__(self, num_slots: int, policy: EvictionPolicy) -> None:
+        self.num_slots = num_slots
+        self.policy = policy
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._entries: dict[Hashable, SlotEntry] = {}
+        self.evictions = 0
+
+    # -------------------------------------------------------------- queries
+    def get(self, key: Hashable) -> SlotEntry | None:
+        """The entry of ``key`` or None."""
+        return self._entries.get(key)
+
+    def entries(self) -> Collection[SlotEntry]:
+        """All non-free entries."""
+        return self._entries.values()
+
+    @property
+    def free_count(self) -> int:
+        """Slots in state ``free``."""
+        return len(self._free)
+
+    def count(self, state: SlotState) -> int:
+        """Slots in ``state``."""
+        if state is SlotState.FREE:
+            return len(self._free)
+        return sum(1 for e in self._entries.values() if e.state is state)
+
+    # -------------------------------------------------------------- transitions
+    def reserve(
+        self, requests: Sequence[tuple[Hashable, int, int, int]], protect: Collection[Hashable]
+    ) -> tuple[list[SlotEntry], list[Hashable], list[Hashable]]:
+        """Reserve slots (state ``writing``) for new keys, evicting as needed.
+
+        Free slots are used first, then victims in policy order that are
+        resident (not pinned, not writing) and not in ``protect``. The victims
+        are chosen before anything changes, then committed together.
+
+        Args:
+            requests: ``(key, start, stop, payload_nbytes)`` for keys NOT present.
+            protect: keys that must not be evicted (the keys of the same call).
+
+        Returns:
+            ``(reserved entries in request order, keys rejected for lack of
+            room, keys evicted)``.
+        """
+        need = max(0, len(requests) - len(self._free))
+        victims: list[SlotEntry] = []
+        if need:
+            for key in self.policy.candidates():
+                entry = self._entries.get(key)
+                if entry is None or entry.writing or entry.refs or key in protect:
+                    continue
+                victims.append(entry)
+                if len(victims) == need:
+                    break
+        for entry in victims:
+            del self._entries[entry.key]
+            self.policy.remove(entry.key, evicted=True)
+            self._free.append(entry.slot)
+        self.evictions += len(victims)
+        reserved: list[SlotEntry] = []
+        rejected: list[Hashable] = []
+        for key, start, stop, nbytes in requests:
+            if key in self._entries:
+                raise SlotStateError(f"reserve of present key {key}")
+            if not self._free:
+                rejected.append(key)
+                continue
+            entry = SlotEntry(key, self._free.pop(), start, stop, True, 0, nbytes)
+            self._entries[key] = entry
+            reserved.append(entry)
+        return reserved, rejected, [v.key for v in victims]
+
+    def commit(self, key: Hashable) -> None:
+        """``writing -> resident``: the store's copy completed."""
+        entry = self._entries.get(key)
+        if entry is None or not entry.writing:
+            raise SlotStateError(f"commit of {key} in state {entry and entry.state}")
+        entry.writing = False
+        self.policy.insert(key)
+
+    def abort(self, key: Hashable) -> None:
+        """``writing -> free``: the copy failed or the store was cancelled."""
+        entry = self._entries.get(key)
+        if entry is None or not entry.writing or entry.refs:
+            raise SlotStateError(f"abort of {key} in state {entry and entry.state}")
+        del self._entries[key]
+        self._free.append(entry.slot)
+
+    def pin(self, key: Hashable) -> SlotEntry:
+        """Add a reference (``resident -> pinned``); a pinned slot is never evicted."""
+        entry = self._entries.get(key)
+        if entry is None or entry.writing:
+            raise SlotStateError(f"pin of {key} in state {entry and entry.state}")
+        entry.refs += 1
+        return entry
+
+    def unpin(self, key: Hashable) -> None:
+        """Drop a reference (``pinned -> resident`` at zero)."""
+        entry = self._entries.get(key)
+        if entry is None or entry.refs <= 0:
+            raise SlotStateError(f"unpin of {key} in state {entry and entry.state}")
+        entry.refs -= 1
+
+    def touch(self, key: Hashable) -> None:
+        """Tell the policy that ``key`` was hit."""
+        self.policy.touch(key)
+
+    def discard(self, key: Hashable) -> bool:
+        """Free a resident, unpinned key (no-op and False otherwise)."""
+        entry = self._entries.get(key)
+        if entry is None or entry.writing or entry.refs:
+            return False
+        del self._entries[key]
+        self.policy.remove(key, evicted=False)
+        self._free.append(entry.slot)
+        return True
+
+
+class HostRegion:
+    """One page-aligned host buffer of ``num_slots * slot_nbytes`` bytes.
+
+    An anonymous ``mmap`` (page aligned, so every slot is 4 KiB aligned as
+    O_DIRECT requires), pre-faulted, and ``cudaHostRegister``-ed on CUDA hosts
+    (falls back to pageable memory with a warning; ``pinned`` tells which).
+
+    Args:
+        nbytes: total bytes (a multiple of 4096, ``> 0``).
+        pin: try to page-lock the buffer for the GPU (only when CUDA is available).
+    """
+
+    def __init__(self, nbytes: int, *, pin: bool) -> None:
+        self.nbytes = nbytes
+        self._mmap = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.pinned = False
+        self._registered = False
+        if pin and torch.cuda.is_available():
+            try:
+                rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
+                self._registered = self.pinned = int(rc) == 0
+                if not self.pinned:
+                    log.warning("kvtier: cudaHostRegister failed (%s); using pageable memory", rc)
+            except Exception as exc:  # pragma: no cover - CUDA hosts only
+                log.warning("kvtier: cudaHostRegister unavailable (%s); using pageable memory", exc)
+
+    def prefault(self) -> None:
+        """Touch every page so that the first copies do not pay page faults (blocks)."""
+        self.tensor.zero_()
+
+    def slot(self, index: int, slot_nbytes: int) -> torch.Tensor:
+        """The uint8 view of slot ``index`` (``slot_nbytes`` bytes, 4 KiB aligned)."""
+        return self.tensor[index * slot_nbytes : (index + 1) * slot_nbytes]
+
+    def buffer(self, index: int, slot_nbytes: int) -> memoryview:
+        """A writable memoryview of slot ``index`` for row I/O; ``release()`` it after use."""
+        return memoryview(self._mmap)[index * slot_nbytes : (index + 1) * slot_nbytes]
+
+    def close(self) -> None:
+        """Unregister and unmap. The tensor views must not be used afterwards."""
+        if self._registered:  # pragma: no cover - CUDA hosts only
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self._registered = False
+        del self.tensor
+        try:
+            self._mmap.close()
+        except BufferError:
+            # A view still exports the buffer; the mapping is freed with it.
+            log.debug("kvtier: host region still referenced at close")

@@ -1,0 +1,212 @@
+"""Glue between the CPU slot pool and the NVMe tier: write-through and promotion.
+
+Write-through: keys whose store completed are pinned and handed to
+:meth:`kvtier.io.NVMeTier.write_rows` in batches (everything stored while the
+previous batch was being written goes in the next one, so rows of one batch
+land in consecutive file offsets). A slot stays pinned until its row write has
+finished. Promotion: an NVMe-only key is read into a freshly reserved slot,
+verified by the tier, and becomes a resident CPU key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection
+from typing import TYPE_CHECKING
+
+from kvtier._types import Chunk, OffloadKey
+from kvtier.errors import KVTierError, storage_error_kind
+
+if TYPE_CHECKING:
+    from kvtier._engine import TransferEngine
+    from kvtier.io import NVMeTier
+
+_MAX_BATCHES_IN_FLIGHT = 2
+
+
+async def open_tier(engine: TransferEngine) -> NVMeTier:
+    """Open the NVMe tier described by ``engine.config.nvme`` for ``engine.layout``."""
+    from kvtier.io import NVMeTier
+
+    cfg = engine.config.nvme
+    assert cfg is not None
+    bpc = engine.blocks_per_chunk
+    tier = NVMeTier(
+        root=cfg.root,
+        namespace=cfg.namespace,
+        capacity_bytes=cfg.capacity_bytes,
+        layout_description=engine.layout.describe(),
+        blocks_per_chunk=bpc,
+        group_nbytes={g: engine.layout.group_nbytes(g, bpc) for g in engine.layout.group_ids},
+        io_backend=cfg.io_backend,
+        direct_io=cfg.direct_io,
+        io_threads=cfg.io_threads,
+        segment_nbytes=cfg.segment_nbytes,
+        request_nbytes=cfg.request_nbytes,
+        row_io_wrapper=cfg.row_io_wrapper,
+    )
+    await tier.open()
+    return tier
+
+
+class NVMeWriter:
+    """Background write-through and promotion for one engine."""
+
+    def __init__(self, engine: TransferEngine, tier: NVMeTier) -> None:
+        self._engine = engine
+        self._tier = tier
+        self._pending: list[tuple[OffloadKey, Chunk]] = []
+        self._pending_done: asyncio.Future[None] | None = None
+        self._inflight: set[asyncio.Future[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._sem = asyncio.Semaphore(_MAX_BATCHES_IN_FLIGHT)
+        self.rows_written = 0
+        self.write_failures = 0
+        self.promotions = 0
+        self.promotion_failures = 0
+
+    # ------------------------------------------------------------------ write-through
+    def enqueue(self, items: list[tuple[OffloadKey, Chunk]]) -> asyncio.Future[None]:
+        """Pin the keys' slots and queue their rows; the future completes when written."""
+        pool = self._engine._pool
+        for key, _ in items:
+            pool.pin(key)
+        self._pending.extend(items)
+        if self._pending_done is None:
+            loop = asyncio.get_running_loop()
+            self._pending_done = loop.create_future()
+            self._inflight.add(self._pending_done)
+            loop.call_soon(self._start_batch)
+        return self._pending_done
+
+    def _start_batch(self) -> None:
+        batch, self._pending = self._pending, []
+        done, self._pending_done = self._pending_done, None
+        if done is None:
+            return
+        task = asyncio.ensure_future(self._write(batch, done))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _write(self, batch: list[tuple[OffloadKey, Chunk]], done: asyncio.Future[None]) -> None:
+        engine = self._engine
+        pool = engine._pool
+        region = engine._region
+        assert region is not None
+        views = []
+        try:
+            async with self._sem:
+                rows = []
+                for key, chunk in batch:
+                    entry = pool.get(key)
+                    assert entry is not None
+                    view = region.buffer(entry.slot, engine.slot_nbytes)
+                    views.append(view)
+                    rows.append((key, chunk.offset, chunk.stop, view))
+                results = await asyncio.shield(self._tier.write_rows(rows))
+            for res in results:
+                if res is None:
+                    self.rows_written += 1
+                else:
+                    self.write_failures += 1
+        finally:
+            for view in views:
+                view.release()
+            for key, _ in batch:
+                pool.unpin(key)
+            self._inflight.discard(done)
+            if not done.done():
+                done.set_result(None)
+
+    async def flush(self) -> None:
+        """Wait for every row queued before the call, then make them durable."""
+        if self._pending_done is not None:
+            self._start_batch()
+        waits = list(self._inflight)
+        if waits:
+            await asyncio.gather(*waits)
+        await self._tier.flush()
+
+    async def drain(self) -> None:
+        """Wait for every queued and in-flight row write (used by ``aclose``)."""
+        if self._pending_done is not None:
+            self._start_batch()
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def cancel(self) -> None:
+        """Drop rows not yet handed to the tier (hard stop); in-flight I/O still completes."""
+        pool = self._engine._pool
+        for key, _ in self._pending:
+            pool.unpin(key)
+        self._pending = []
+        if self._pending_done is not None:
+            self._inflight.discard(self._pending_done)
+            self._pending_done.set_result(None)
+            self._pending_done = None
+
+    def forget_cpu(self, key: OffloadKey) -> None:
+        """A key left the CPU tier (its NVMe row, if any, stays)."""
+
+    # ------------------------------------------------------------------ promotion
+    async def promote(
+        self, chunks: list[Chunk], protect: Collection[OffloadKey]
+    ) -> tuple[list[Chunk], dict[OffloadKey, BaseException]]:
+        """Read NVMe-only keys into CPU slots; returns (pinned chunks, failures)."""
+        engine = self._engine
+        pool = engine._pool
+        region = engine._region
+        assert region is not None
+        errors: dict[OffloadKey, BaseException] = {}
+        requests = []
+        for chunk in chunks:
+            rng = self._tier.stored_range(chunk.key)
+            if rng is None:
+                errors[chunk.key] = KVTierError(f"{chunk.key} left NVMe before promotion")
+                continue
+            nbytes = (rng[1] - rng[0]) * engine.layout.group(chunk.key.group_id).block_payload_nbytes
+            requests.append((chunk.key, rng[0], rng[1], nbytes))
+        entries, rejected, _ = pool.reserve(requests, protect=protect)
+        for key in rejected:
+            errors[key] = KVTierError(f"{key}: no free or evictable CPU slot for promotion")
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[bool] = loop.create_future()
+        for entry in entries:
+            engine._ready[entry.key] = ready  # type: ignore[index]
+        views = [region.buffer(e.slot, engine.slot_nbytes) for e in entries]
+        try:
+            results = await asyncio.shield(
+                self._tier.read_rows([(e.key, v) for e, v in zip(entries, views, strict=True)])  # type: ignore[misc]
+            )
+        finally:
+            for view in views:
+                view.release()
+        ok: list[Chunk] = []
+        by_key = {c.key: c for c in chunks}
+        for entry, res in zip(entries, results, strict=True):
+            key: OffloadKey = entry.key  # type: ignore[assignment]
+            engine._ready.pop(key, None)
+            if isinstance(res, BaseException):
+                pool.abort(key)
+                errors[key] = res
+                self.promotion_failures += 1
+                kind = storage_error_kind(res)
+                engine._c.failures[kind] = engine._c.failures.get(kind, 0) + 1
+            else:
+                entry.start, entry.stop = res
+                pool.commit(key)
+                pool.pin(key)
+                ok.append(by_key[key])
+                self.promotions += 1
+        ready.set_result(True)
+        return ok, errors
+
+    def stats(self) -> dict[str, int]:
+        """Write-through and promotion counters."""
+        return {
+            "rows_written": self.rows_written,
+            "write_failures": self.write_failures,
+            "promotions": self.promotions,
+            "promotion_failures": self.promotion_failures,
+            "writes_queued": len(self._pending),
+        }

@@ -1,0 +1,52 @@
+"""Test helpers: layouts with recognisable bytes, and a reference model of slot contents."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+import kvtier
+
+
+def key(name: str | int, group_id: int) -> kvtier.OffloadKey:
+    return kvtier.OffloadKey(hashlib.blake2b(str(name).encode(), digest_size=16).digest(), group_id)
+
+
+def fill_random(t: torch.Tensor, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    u8 = t.view(torch.uint8) if t.dtype != torch.uint8 else t
+    u8.copy_(torch.randint(0, 256, u8.shape, generator=g, dtype=torch.uint8))
+
+
+def equal_groups(nb: int, n_groups: int, layers_per_group: int, page: tuple[int, ...]) -> dict[int, dict[str, torch.Tensor]]:
+    groups = {}
+    for g in range(n_groups):
+        groups[g] = {}
+        for i in range(layers_per_group):
+            t = torch.empty((nb, *page), dtype=torch.float16)
+            fill_random(t, 1000 * g + i)
+            groups[g][f"layers.{g}.{i}"] = t
+    return groups
+
+
+def snapshot(layout: kvtier.KVLayout, group_id: int, block_ids: list[int]) -> list[torch.Tensor]:
+    """The payload bytes of the given blocks of a group (one uint8 tensor per layer)."""
+    out = []
+    for layer in layout.group(group_id).layers:
+        for piece in layer.pieces:
+            out.append(piece.view[block_ids].clone().view(torch.uint8))
+    return out
+
+
+def clear_blocks(layout: kvtier.KVLayout, group_id: int, block_ids: list[int]) -> None:
+    for layer in layout.group(group_id).layers:
+        for piece in layer.pieces:
+            piece.view[block_ids] = 0
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (bytes, not values: random bytes make NaNs and NaN != NaN)."""
+    return a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    )
