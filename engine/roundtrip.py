@@ -48,8 +48,9 @@ __all__ = [
     "GroupReport",
     "RoundtripReport",
     "aroundtrip",
+    "RoundtripSuite",
     "block_hashes",
-    "corrupt_one_row",
+    "flip_payload_bit",
     "run_roundtrip",
 ]
 
@@ -206,7 +207,7 @@ def _round_up(n: int, align: int = _PAGE) -> int:
     return -(-n // align) * align
 
 
-def corrupt_one_row(root: str | os.PathLike[str]) -> Path:
+def flip_payload_bit(root: str | os.PathLike[str]) -> Path:
     """Flip one payload bit of the first row of the first segment file under ``root``.
 
     Segment files are ``<root>/<namespace>-<digest>/g<group_id>/<n>.kvrows`` with
@@ -345,15 +346,18 @@ async def aroundtrip(
         n = len(resident_blocks(kv.kinds[g], kv.window[g], resume, block_tokens))
         tables["store"][g] = store_ids[g][:n]
         tables["load"][g] = load_ids[g][:n]
-    with torch.inference_mode():
-        cache = DynamicCache(config=config)
-        lm(input_ids=ids[:, :resume], cache=cache, use_cache=True)
-        lap("prefill_prefix")
-        cache_to_blocks(cache, kv, resume, tables["store"])
-        lap("page_out")
-        ref_tokens, ref_logits = _greedy(lm, cache, ids[:, resume:], decode_tokens)
-        lap("reference")
-    del cache
+    def reference() -> tuple[list[int], list[torch.Tensor]]:
+        with torch.inference_mode():
+            cache = DynamicCache(config=config)
+            lm(input_ids=ids[:, :resume], cache=cache, use_cache=True)
+            lap("prefill_prefix")
+            cache_to_blocks(cache, kv, resume, tables["store"])
+            lap("page_out")
+            out = _greedy(lm, cache, ids[:, resume:], decode_tokens)
+            lap("reference")
+            return out
+
+    ref_tokens, ref_logits = await asyncio.to_thread(reference)
 
     layout = kvtier.KVLayout.from_tensors(
         groups=kv.groups, block_dim=kv.block_dim, tokens_per_block=kv.tokens_per_block
@@ -373,10 +377,14 @@ async def aroundtrip(
     with ExitStack() as stack:
         if root is None:
             root = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-roundtrip-"))
+        # One segment file per group is preallocated and counts against the
+        # capacity: size segments to hold every key once, capacity for all groups.
+        segment_nbytes = _round_up(num_keys * slot_nbytes) + _PAGE
         nvme = kvtier.NVMeConfig(
             root=root,
-            capacity_bytes=max(1 << 30, 4 * num_keys * slot_nbytes),
+            capacity_bytes=2 * len(kv.groups) * segment_nbytes,
             namespace=f"roundtrip/{model}/{dtype}",
+            segment_nbytes=segment_nbytes,
         )
         engine_config = kvtier.EngineConfig(
             cpu_bytes=cpu_bytes, blocks_per_chunk=blocks_per_chunk, nvme=nvme
@@ -400,7 +408,7 @@ async def aroundtrip(
             for tensor in tensors.values():
                 tensor.zero_()
         if corrupt_one_row:
-            corrupt_one_row_fn(root)
+            await asyncio.to_thread(flip_payload_bit, root)
         lap("drop")
 
         async with kvtier.TransferEngine(layout, engine_config) as engine:
@@ -419,11 +427,15 @@ async def aroundtrip(
             load_stats = engine.stats()
         lap("load")
 
-    with torch.inference_mode():
-        resumed = blocks_to_cache(config, kv, resume, tables["load"])
-        lap("page_in")
-        res_tokens, res_logits = _greedy(lm, resumed, ids[:, resume:], decode_tokens)
-        lap("resume")
+    def resume_run() -> tuple[list[int], list[torch.Tensor]]:
+        with torch.inference_mode():
+            resumed = blocks_to_cache(config, kv, resume, tables["load"])
+            lap("page_in")
+            out = _greedy(lm, resumed, ids[:, resume:], decode_tokens)
+            lap("resume")
+            return out
+
+    res_tokens, res_logits = await asyncio.to_thread(resume_run)
 
     loaded_keys = set(loaded.loaded)
     groups = []
@@ -474,22 +486,91 @@ async def aroundtrip(
     )
 
 
-corrupt_one_row_fn = corrupt_one_row
+@dataclass(frozen=True)
+class RoundtripSuite:
+    """The reports of several models (``tiny-all``); same ``ok`` / ``format()`` as one report.
+
+    Attributes:
+        reports: one report per model, in name order.
+    """
+
+    reports: tuple[RoundtripReport, ...]
+
+    @property
+    def ok(self) -> bool:
+        """True when every model's round trip was exact."""
+        return all(r.ok for r in self.reports)
+
+    def format(self) -> str:
+        """Return every report's summary, then one line per model."""
+        parts = [r.format() for r in self.reports]
+        parts.append(
+            "\n".join(
+                f"{r.model:<20} {r.dtype:<9} {'OK' if r.ok else 'MISMATCH'}" for r in self.reports
+            )
+        )
+        return "\n\n".join(parts)
 
 
-def run_roundtrip(model: str, **kwargs: Any) -> list[RoundtripReport]:
-    """Run :func:`aroundtrip` for ``model`` (``tiny-all``: every tiny model) in a new event loop.
+async def _run_all(names: list[str], kwargs: dict[str, Any]) -> list[RoundtripReport]:
+    return [await aroundtrip(name, **kwargs) for name in names]
+
+
+def run_roundtrip(
+    model: str,
+    *,
+    prompt_tokens: int = 200,
+    block_tokens: int = 16,
+    blocks_per_chunk: int = 4,
+    dtype: str = "float32",
+    root: str | os.PathLike[str] | None = None,
+    decode_tokens: int = 8,
+    skip_group: int | None = None,
+    corrupt_one_row: bool = False,
+    seed: int = 0,
+    model_cache: str | os.PathLike[str] | None = None,
+) -> RoundtripReport | RoundtripSuite:
+    """Run :func:`aroundtrip` in a new event loop (uvloop when installed). Blocks.
 
     Args:
-        model: a model name, or ``tiny-all``.
-        **kwargs: the keyword arguments of :func:`aroundtrip`.
+        model: a model name, or ``tiny-all`` for every tiny model.
+        prompt_tokens: see :func:`aroundtrip` (and the other arguments).
+        block_tokens: tokens per GPU block.
+        blocks_per_chunk: blocks per chunk.
+        dtype: ``"float32"`` or ``"bfloat16"``.
+        root: NVMe root (a temporary directory when ``None``).
+        decode_tokens: greedy tokens decoded after the prompt.
+        skip_group: negative control: do not load this group.
+        corrupt_one_row: negative control: flip one payload bit on NVMe.
+        seed: prompt seed.
+        model_cache: model cache directory.
 
     Returns:
-        One report per model.
+        One :class:`RoundtripReport`, or a :class:`RoundtripSuite` for ``tiny-all``.
 
     Raises:
         ValueError: unknown model or bad arguments.
         RuntimeError: called from a running event loop (use :func:`aroundtrip`).
     """
+    kwargs: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "block_tokens": block_tokens,
+        "blocks_per_chunk": blocks_per_chunk,
+        "dtype": dtype,
+        "root": root,
+        "decode_tokens": decode_tokens,
+        "skip_group": skip_group,
+        "corrupt_one_row": corrupt_one_row,
+        "seed": seed,
+        "model_cache": model_cache,
+    }
     names = expand_model_names(model)
-    return [asyncio.run(aroundtrip(name, **kwargs)) for name in names]
+    try:
+        import uvloop
+
+        reports = uvloop.run(_run_all(names, kwargs))
+    except ImportError:
+        reports = asyncio.run(_run_all(names, kwargs))
+    if model == "tiny-all":
+        return RoundtripSuite(tuple(reports))
+    return reports[0]
