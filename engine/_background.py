@@ -41,12 +41,15 @@ class BackgroundEngine:
 
     Raises:
         BudgetError: ``cpu_bytes`` cannot hold one slot.
+
     """
 
     def __init__(self, layout: KVLayout, config: EngineConfig) -> None:
         self.engine = TransferEngine(layout, config)
         self._loop = _new_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvtier-loop", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="kvtier-loop", daemon=True
+        )
         self._closed = False
 
     @property
@@ -68,6 +71,7 @@ class BackgroundEngine:
 
         Raises:
             EngineClosedError: already closed.
+
         """
         if self._closed:
             raise EngineClosedError("BackgroundEngine is closed")
@@ -79,11 +83,16 @@ class BackgroundEngine:
         return self.start()
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.close()
 
-    def store(self, chunks: Sequence[Chunk], *, durable: bool = False) -> concurrent.futures.Future[StoreResult]:
+    def store(
+        self, chunks: Sequence[Chunk], *, durable: bool = False
+    ) -> concurrent.futures.Future[StoreResult]:
         """:meth:`TransferEngine.store` on the engine thread; returns a Future."""
         return self._submit(self.engine.store(chunks, durable=durable))
 

@@ -37,6 +37,7 @@ class NVMeConfig:
 
     Raises:
         ConfigError: a value is out of range.
+
     """
 
     root: str | os.PathLike[str]
@@ -55,7 +56,9 @@ class NVMeConfig:
         _positive_int("NVMeConfig.segment_nbytes", self.segment_nbytes)
         _positive_int("NVMeConfig.request_nbytes", self.request_nbytes)
         if self.request_nbytes % 4096:
-            raise ConfigError(f"NVMeConfig.request_nbytes must be a 4096 multiple: {self.request_nbytes}")
+            raise ConfigError(
+                f"NVMeConfig.request_nbytes must be a 4096 multiple: {self.request_nbytes}"
+            )
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ConfigError(f"NVMeConfig.namespace must be a non-empty str: {self.namespace!r}")
         if self.io_backend not in ("auto", "posix", "kvikio"):
@@ -83,6 +86,7 @@ class EngineConfig:
     Raises:
         BudgetError: ``cpu_bytes`` is not a positive int.
         ConfigError: another value is out of range.
+
     """
 
     cpu_bytes: int

@@ -31,9 +31,7 @@ from kvtier.errors import (
     InvalidArgumentError,
     KeyNotResidentError,
     NotStoredError,
-    StorageError,
     TransferError,
-    UnknownGroupError,
 )
 from kvtier.layout import KVLayout
 
@@ -102,13 +100,16 @@ class TransferEngine:
     Raises:
         BudgetError: ``cpu_bytes`` cannot hold one slot.
         InvalidArgumentError: ``layout`` / ``config`` have the wrong type.
+
     """
 
     def __init__(self, layout: KVLayout, config: EngineConfig) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidArgumentError(f"layout must be a KVLayout, got {type(layout).__name__}")
         if not isinstance(config, EngineConfig):
-            raise InvalidArgumentError(f"config must be an EngineConfig, got {type(config).__name__}")
+            raise InvalidArgumentError(
+                f"config must be an EngineConfig, got {type(config).__name__}"
+            )
         self.layout = layout
         self.config = config
         bpc = config.blocks_per_chunk
@@ -139,7 +140,11 @@ class TransferEngine:
     def _alias_classes(layout: KVLayout) -> dict[int, int]:
         """Map each group to the smallest group id sharing storage with it."""
         storages = {
-            g: {p.view.untyped_storage().data_ptr() for lay in layout.group(g).layers for p in lay.pieces}
+            g: {
+                p.view.untyped_storage().data_ptr()
+                for lay in layout.group(g).layers
+                for p in lay.pieces
+            }
             for g in layout.group_ids
         }
         cls = {g: g for g in layout.group_ids}
@@ -163,6 +168,7 @@ class TransferEngine:
             EngineClosedError: the engine was already started or closed.
             ConfigError: the NVMe root is unusable.
             NamespaceLockedError: another engine holds the NVMe namespace.
+
         """
         if self._state != "new":
             raise EngineClosedError(f"engine cannot start in state {self._state!r}")
@@ -189,7 +195,10 @@ class TransferEngine:
         return await self.start()
 
     async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         await self.aclose()
 
@@ -201,6 +210,7 @@ class TransferEngine:
                 whose row was not fully written stay invisible on NVMe).
 
         Idempotent. Waits for in-flight copies (they touch slots and GPU blocks).
+
         """
         if self._state in ("closed", "closing"):
             return
@@ -245,6 +255,7 @@ class TransferEngine:
 
         Raises:
             EngineClosedError: the engine is not open.
+
         """
         self._check_open()
         out = []
@@ -263,6 +274,7 @@ class TransferEngine:
 
         Raises:
             EngineClosedError: the engine is not open.
+
         """
         n = 0
         for residency in self.lookup(keys):
@@ -281,11 +293,7 @@ class TransferEngine:
             if not isinstance(chunk, Chunk):
                 raise InvalidArgumentError(f"expected kvtier.Chunk, got {type(chunk).__name__}")
             key = chunk.key
-            group = self.layout.group(key.group_id) if key.group_id in self._offsets else None
-            if group is None:
-                raise UnknownGroupError(
-                    f"{key}: group_id {key.group_id} is not registered (groups: {list(self._offsets)})"
-                )
+            group = self.layout.group(key.group_id)  # raises UnknownGroupError
             if key in seen:
                 raise DuplicateKeyError(f"{key} appears twice in one call")
             seen.add(key)
@@ -332,6 +340,7 @@ class TransferEngine:
         Raises:
             InvalidArgumentError: bad chunks (subclasses name the rule); nothing changed.
             EngineClosedError: the engine is not open.
+
         """
         self._check_open()
         self._validate(chunks, load=False)
@@ -363,11 +372,11 @@ class TransferEngine:
         entries, rejected, _evicted = self._pool.reserve(requests, protect=by_key.keys())
         self._c.rejected += len(rejected)
         loop = asyncio.get_running_loop()
-        prepared = _PreparedStore(by_key, entries, skipped, rejected, loop.create_future(), None)  # type: ignore[arg-type]
+        prepared = _PreparedStore(by_key, entries, skipped, rejected, loop.create_future(), None)
         for entry in entries:
-            self._ready[entry.key] = prepared.ready  # type: ignore[index]
+            self._ready[entry.key] = prepared.ready
         if entries:
-            copies = [self._copy(by_key[e.key], e.slot) for e in entries]  # type: ignore[index]
+            copies = [self._copy(by_key[e.key], e.slot) for e in entries]
             prepared.call = _Call(copies, loop.create_future())
             self._submit("store", prepared.call)
         return prepared
@@ -377,7 +386,7 @@ class TransferEngine:
         stored: list[OffloadKey] = []
         rejected = list(p.rejected)
         for entry in p.entries:
-            key: OffloadKey = entry.key  # type: ignore[assignment]
+            key = entry.key
             self._ready.pop(key, None)
             if error is not None or ctx.cancelled:
                 self._pool.abort(key)
@@ -397,8 +406,11 @@ class TransferEngine:
         assert self._region is not None
         g = chunk.key.group_id
         return ChunkCopy(
-            self.layout.group(g), self._offsets[g], self._region.slot(slot, self.slot_nbytes),
-            chunk.block_ids, chunk.offset,
+            self.layout.group(g),
+            self._offsets[g],
+            self._region.slot(slot, self.slot_nbytes),
+            chunk.block_ids,
+            chunk.offset,
         )
 
     # ------------------------------------------------------------------ jobs
@@ -477,6 +489,7 @@ class TransferEngine:
             InvalidArgumentError: bad chunks, or sub-blocks that were never
                 stored (:class:`NotStoredError`); nothing changed.
             EngineClosedError: the engine is not open.
+
         """
         self._check_open()
         self._validate(chunks, load=True)
@@ -529,7 +542,9 @@ class TransferEngine:
                 promote.append(chunk)
             else:
                 self._c.misses += 1
-                failed[key] = KeyNotResidentError(f"{key} is on no medium (evicted or never stored)")
+                failed[key] = KeyNotResidentError(
+                    f"{key} is on no medium (evicted or never stored)"
+                )
         if promote:
             ok, errors = await self._writer.promote(promote, protect={c.key for c in chunks})
             pinned.extend(ok)
@@ -566,13 +581,14 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ flush / stats
     async def flush(self) -> None:
-        """Return when every key stored before the call is durable on NVMe.
+        r"""Return when every key stored before the call is durable on NVMe.
 
         Waits for the write-through of those keys, then ``fdatasync``\\ s the
         segment files they went to (batched). No-op without NVMe.
 
         Raises:
             EngineClosedError: the engine is not open.
+
         """
         self._check_open()
         if self._writer is not None:
@@ -588,7 +604,7 @@ class TransferEngine:
         per_group: dict[int, int] = {}
         payload = 0
         for e in pool.entries():
-            g = e.key.group_id  # type: ignore[attr-defined]
+            g = e.key.group_id
             per_group[g] = per_group.get(g, 0) + 1
             payload += e.payload_nbytes
         occupied = self.num_slots - pool.free_count
@@ -622,6 +638,3 @@ class TransferEngine:
             pinned_memory=bool(self._region and self._region.pinned),
             nvme=nvme,
         )
-
-
-

@@ -114,9 +114,7 @@ def _text_config(config: Any) -> Any:
 
 
 def _is_mla(config: Any) -> bool:
-    return getattr(config, "kv_lora_rank", None) is not None and hasattr(
-        config, "qk_rope_head_dim"
-    )
+    return getattr(config, "kv_lora_rank", None) is not None and hasattr(config, "qk_rope_head_dim")
 
 
 def _layer_kinds(config: Any) -> list[str | None]:
@@ -163,7 +161,9 @@ def _layer_specs(
     """Return the tensor name prefix and ``(suffix, per-block shape, dtype)`` list of a layer."""
     prefix = f"model.layers.{layer}"
     if kind in ("full", "sliding", "chunked"):
-        num_kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        num_kv_heads = int(
+            getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        )
         head_dim = getattr(config, "head_dim", None) or (
             int(config.hidden_size) // int(config.num_attention_heads)
         )
@@ -366,7 +366,9 @@ def cache_to_blocks(
         for name, paged in tensors.items():
             layer = cache.layers[kv.layer_index[name]]
             if kind in ("linear", "mamba"):
-                states = layer.conv_states if name.endswith(".conv_state") else layer.recurrent_states
+                states = (
+                    layer.conv_states if name.endswith(".conv_state") else layer.recurrent_states
+                )
                 paged[ids] = states[0].to(paged.dtype)
                 continue
             if kind == "mla":
@@ -374,7 +376,9 @@ def cache_to_blocks(
             else:
                 rows = torch.stack([layer.keys[0], layer.values[0]]).transpose(1, 2)
             if rows.shape[-3 if kind != "mla" else 0] != row1 - row0:
-                raise ValueError(f"{name}: cache holds {tuple(rows.shape)}, expected {row1 - row0} tokens")
+                raise ValueError(
+                    f"{name}: cache holds {tuple(rows.shape)}, expected {row1 - row0} tokens"
+                )
             if kind == "mla":
                 buf = paged.new_zeros((nres * tpb, *paged.shape[2:]))
                 buf[row0:row1] = rows

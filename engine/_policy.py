@@ -56,8 +56,10 @@ class LRUPolicy:
 
 
 class ARCPolicy:
-    """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003, "ARC: A Self-Tuning,
-    Low Overhead Replacement Cache", Fig. 4).
+    """Adaptive Replacement Cache.
+
+    From Megiddo & Modha, FAST 2003, "ARC: A Self-Tuning, Low Overhead
+    Replacement Cache", Fig. 4.
 
     ``T1`` holds keys seen once, ``T2`` keys seen at least twice; the ghost lists
     ``B1``/``B2`` remember recently evicted keys and steer the target size
@@ -66,6 +68,7 @@ class ARCPolicy:
 
     Args:
         capacity: the cache size ``c`` in keys (the number of slots), ``> 0``.
+
     """
 
     def __init__(self, capacity: int) -> None:
@@ -115,7 +118,9 @@ class ARCPolicy:
 
     def candidates(self) -> Iterator[Hashable]:
         """LRU of ``T1`` first when ``|T1| > p`` (else ``T2`` first), then the other list."""
-        first, second = (self.t1, self.t2) if len(self.t1) > self.p or not self.t2 else (self.t2, self.t1)
+        first, second = (
+            (self.t1, self.t2) if len(self.t1) > self.p or not self.t2 else (self.t2, self.t1)
+        )
         return iter([*first, *second])
 
 
@@ -128,6 +133,7 @@ def make_policy(name: str, capacity: int) -> EvictionPolicy:
 
     Raises:
         ConfigError: unknown name.
+
     """
     if name == "lru":
         return LRUPolicy()

@@ -14,12 +14,13 @@ from __future__ import annotations
 import enum
 import logging
 import mmap
-from collections.abc import Collection, Hashable, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvtier._policy import EvictionPolicy
+from kvtier._types import OffloadKey
 from kvtier.errors import KVTierError
 
 log = logging.getLogger("kvtier")
@@ -46,9 +47,10 @@ class SlotEntry:
         writing: True until the store's copy completed.
         refs: pins held by loads and NVMe writes.
         payload_nbytes: bytes of payload the key actually uses (for waste stats).
+
     """
 
-    key: Hashable
+    key: OffloadKey
     slot: int
     start: int
     stop: int
@@ -74,17 +76,18 @@ class SlotPool:
     Args:
         num_slots: number of slots (``> 0``).
         policy: the eviction policy ordering resident keys.
+
     """
 
     def __init__(self, num_slots: int, policy: EvictionPolicy) -> None:
         self.num_slots = num_slots
         self.policy = policy
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
-        self._entries: dict[Hashable, SlotEntry] = {}
+        self._entries: dict[OffloadKey, SlotEntry] = {}
         self.evictions = 0
 
     # -------------------------------------------------------------- queries
-    def get(self, key: Hashable) -> SlotEntry | None:
+    def get(self, key: OffloadKey) -> SlotEntry | None:
         """The entry of ``key`` or None."""
         return self._entries.get(key)
 
@@ -105,8 +108,8 @@ class SlotPool:
 
     # -------------------------------------------------------------- transitions
     def reserve(
-        self, requests: Sequence[tuple[Hashable, int, int, int]], protect: Collection[Hashable]
-    ) -> tuple[list[SlotEntry], list[Hashable], list[Hashable]]:
+        self, requests: Sequence[tuple[OffloadKey, int, int, int]], protect: Collection[OffloadKey]
+    ) -> tuple[list[SlotEntry], list[OffloadKey], list[OffloadKey]]:
         """Reserve slots (state ``writing``) for new keys, evicting as needed.
 
         Free slots are used first, then victims in policy order that are
@@ -120,12 +123,13 @@ class SlotPool:
         Returns:
             ``(reserved entries in request order, keys rejected for lack of
             room, keys evicted)``.
+
         """
         need = max(0, len(requests) - len(self._free))
         victims: list[SlotEntry] = []
         if need:
             for key in self.policy.candidates():
-                entry = self._entries.get(key)
+                entry = self._entries.get(key)  # type: ignore[call-overload]
                 if entry is None or entry.writing or entry.refs or key in protect:
                     continue
                 victims.append(entry)
@@ -137,7 +141,7 @@ class SlotPool:
             self._free.append(entry.slot)
         self.evictions += len(victims)
         reserved: list[SlotEntry] = []
-        rejected: list[Hashable] = []
+        rejected: list[OffloadKey] = []
         for key, start, stop, nbytes in requests:
             if key in self._entries:
                 raise SlotStateError(f"reserve of present key {key}")
@@ -149,7 +153,7 @@ class SlotPool:
             reserved.append(entry)
         return reserved, rejected, [v.key for v in victims]
 
-    def commit(self, key: Hashable) -> None:
+    def commit(self, key: OffloadKey) -> None:
         """``writing -> resident``: the store's copy completed."""
         entry = self._entries.get(key)
         if entry is None or not entry.writing:
@@ -157,7 +161,7 @@ class SlotPool:
         entry.writing = False
         self.policy.insert(key)
 
-    def abort(self, key: Hashable) -> None:
+    def abort(self, key: OffloadKey) -> None:
         """``writing -> free``: the copy failed or the store was cancelled."""
         entry = self._entries.get(key)
         if entry is None or not entry.writing or entry.refs:
@@ -165,7 +169,7 @@ class SlotPool:
         del self._entries[key]
         self._free.append(entry.slot)
 
-    def pin(self, key: Hashable) -> SlotEntry:
+    def pin(self, key: OffloadKey) -> SlotEntry:
         """Add a reference (``resident -> pinned``); a pinned slot is never evicted."""
         entry = self._entries.get(key)
         if entry is None or entry.writing:
@@ -173,18 +177,18 @@ class SlotPool:
         entry.refs += 1
         return entry
 
-    def unpin(self, key: Hashable) -> None:
+    def unpin(self, key: OffloadKey) -> None:
         """Drop a reference (``pinned -> resident`` at zero)."""
         entry = self._entries.get(key)
         if entry is None or entry.refs <= 0:
             raise SlotStateError(f"unpin of {key} in state {entry and entry.state}")
         entry.refs -= 1
 
-    def touch(self, key: Hashable) -> None:
+    def touch(self, key: OffloadKey) -> None:
         """Tell the policy that ``key`` was hit."""
         self.policy.touch(key)
 
-    def discard(self, key: Hashable) -> bool:
+    def discard(self, key: OffloadKey) -> bool:
         """Free a resident, unpinned key (no-op and False otherwise)."""
         entry = self._entries.get(key)
         if entry is None or entry.writing or entry.refs:
@@ -205,6 +209,7 @@ class HostRegion:
     Args:
         nbytes: total bytes (a multiple of 4096, ``> 0``).
         pin: try to page-lock the buffer for the GPU (only when CUDA is available).
+
     """
 
     def __init__(self, nbytes: int, *, pin: bool) -> None:
@@ -215,7 +220,8 @@ class HostRegion:
         self._registered = False
         if pin and torch.cuda.is_available():
             try:
-                rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
+                cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+                rc = cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
                 self._registered = self.pinned = int(rc) == 0
                 if not self.pinned:
                     log.warning("kvtier: cudaHostRegister failed (%s); using pageable memory", rc)
@@ -237,7 +243,8 @@ class HostRegion:
     def close(self) -> None:
         """Unregister and unmap. The tensor views must not be used afterwards."""
         if self._registered:  # pragma: no cover - CUDA hosts only
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            cudart.cudaHostUnregister(self.tensor.data_ptr())
             self._registered = False
         del self.tensor
         try:

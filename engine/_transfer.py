@@ -43,6 +43,7 @@ class ChunkCopy:
         slot: uint8 view of the whole slot (CPU memory, 4 KiB aligned).
         block_ids: GPU block ids of sub-blocks ``start .. start+len(block_ids)``.
         start: first sub-block index inside the chunk.
+
     """
 
     group: GroupLayout
@@ -55,6 +56,15 @@ class ChunkCopy:
     def nbytes(self) -> int:
         """Payload bytes this copy moves."""
         return len(self.block_ids) * self.group.block_payload_nbytes
+
+
+def piece_contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    """Row-major strides (in elements) of a contiguous tensor of ``shape``."""
+    strides, acc = [], 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= size
+    return tuple(reversed(strides))
 
 
 def _consecutive(ids: tuple[int, ...]) -> bool:
@@ -77,7 +87,9 @@ def _slot_piece(copy: ChunkCopy, li: int, pi: int) -> torch.Tensor:
     cols = region.view(n, p)[:, piece.page_start : piece.page_start + piece.nbytes]
     if piece.itemsize != 1:
         cols = cols.view(piece.view.dtype)
-    return cols.unflatten(1, shape)
+    return cols.view(n, *shape) if cols.is_contiguous() else cols.as_strided(
+        (n, *shape), (cols.stride(0), *piece_contiguous_strides(shape)), cols.storage_offset()
+    )
 
 
 def run_plan(plan: Sequence[ChunkCopy], direction: Direction) -> None:
@@ -86,6 +98,7 @@ def run_plan(plan: Sequence[ChunkCopy], direction: Direction) -> None:
     Args:
         plan: the chunk copies.
         direction: ``"store"`` (GPU blocks -> slots) or ``"load"`` (slots -> GPU blocks).
+
     """
     for copy in plan:
         ids = copy.block_ids
@@ -121,6 +134,7 @@ class CopyExecutor:
     Args:
         device: the device of the registered KV cache tensors.
         direction: ``"store"`` or ``"load"``.
+
     """
 
     def __init__(self, device: torch.device, direction: Direction) -> None:
@@ -130,7 +144,7 @@ class CopyExecutor:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._stream: torch.cuda.Stream | None = None
         if self._cuda:  # pragma: no cover - CUDA hosts only
-            self._stream = torch.cuda.Stream(device=device)
+            self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         else:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix=f"kvtier-{direction}"
@@ -144,13 +158,16 @@ class CopyExecutor:
 
         Raises:
             TransferError: a copy failed (from the torch error).
+
         """
         loop = asyncio.get_running_loop()
         if self._pool is not None:
             try:
                 await loop.run_in_executor(self._pool, run_plan, plan, self.direction)
             except Exception as exc:
-                raise TransferError(f"{self.direction} copy of {len(plan)} chunks failed: {exc}") from exc
+                raise TransferError(
+                    f"{self.direction} copy of {len(plan)} chunks failed: {exc}"
+                ) from exc
             return
         await self._run_cuda(plan)  # pragma: no cover - CUDA hosts only
 
@@ -161,12 +178,14 @@ class CopyExecutor:
             self._stream.wait_stream(compute)
             with torch.cuda.stream(self._stream):
                 run_plan(plan, self.direction)
-                event = torch.cuda.Event()
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(self._stream)
         except Exception as exc:
-            raise TransferError(f"{self.direction} copy of {len(plan)} chunks failed: {exc}") from exc
+            raise TransferError(
+                f"{self.direction} copy of {len(plan)} chunks failed: {exc}"
+            ) from exc
         delay = _POLL_MIN_S
-        while not event.query():
+        while not event.query():  # type: ignore[no-untyped-call]
             await asyncio.sleep(delay)
             delay = min(delay * 2, _POLL_MAX_S)
 

@@ -43,6 +43,7 @@ class OffloadKey:
     Raises:
         InvalidArgumentError: ``block_hash`` is not 1..64 bytes or
             ``group_id`` is not a non-negative int.
+
     """
 
     block_hash: bytes
@@ -72,6 +73,7 @@ class Chunk:
 
     Raises:
         ChunkRangeError: ``block_ids`` is empty or ``offset`` negative.
+
     """
 
     key: OffloadKey
@@ -104,6 +106,7 @@ class StoreResult:
         stored: keys whose bytes are now in CPU slots (and queued for NVMe).
         skipped: keys already present (CPU, NVMe or in flight); nothing copied.
         rejected: keys that found no free or evictable slot, or whose copy failed.
+
     """
 
     stored: tuple[OffloadKey, ...] = ()
@@ -119,6 +122,7 @@ class LoadResult:
         loaded: keys whose bytes are now in their GPU blocks.
         failed: keys that could not be loaded, with the error; their GPU blocks
             received no bytes from kvtier.
+
     """
 
     loaded: tuple[OffloadKey, ...] = ()

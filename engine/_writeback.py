@@ -88,7 +88,9 @@ class NVMeWriter:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _write(self, batch: list[tuple[OffloadKey, Chunk]], done: asyncio.Future[None]) -> None:
+    async def _write(
+        self, batch: list[tuple[OffloadKey, Chunk]], done: asyncio.Future[None]
+    ) -> None:
         engine = self._engine
         pool = engine._pool
         region = engine._region
@@ -164,7 +166,9 @@ class NVMeWriter:
             if rng is None:
                 errors[chunk.key] = KVTierError(f"{chunk.key} left NVMe before promotion")
                 continue
-            nbytes = (rng[1] - rng[0]) * engine.layout.group(chunk.key.group_id).block_payload_nbytes
+            nbytes = (rng[1] - rng[0]) * engine.layout.group(
+                chunk.key.group_id
+            ).block_payload_nbytes
             requests.append((chunk.key, rng[0], rng[1], nbytes))
         entries, rejected, _ = pool.reserve(requests, protect=protect)
         for key in rejected:
@@ -172,11 +176,11 @@ class NVMeWriter:
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[bool] = loop.create_future()
         for entry in entries:
-            engine._ready[entry.key] = ready  # type: ignore[index]
+            engine._ready[entry.key] = ready
         views = [region.buffer(e.slot, engine.slot_nbytes) for e in entries]
         try:
             results = await asyncio.shield(
-                self._tier.read_rows([(e.key, v) for e, v in zip(entries, views, strict=True)])  # type: ignore[misc]
+                self._tier.read_rows([(e.key, v) for e, v in zip(entries, views, strict=True)])
             )
         finally:
             for view in views:
@@ -184,7 +188,7 @@ class NVMeWriter:
         ok: list[Chunk] = []
         by_key = {c.key: c for c in chunks}
         for entry, res in zip(entries, results, strict=True):
-            key: OffloadKey = entry.key  # type: ignore[assignment]
+            key = entry.key
             engine._ready.pop(key, None)
             if isinstance(res, BaseException):
                 pool.abort(key)

@@ -70,6 +70,7 @@ class StorageError(KVTierError, OSError):
         kind: one of ``"eio"``, ``"enospc"``, ``"einval"``, ``"short_read"``,
             ``"short_write"``, ``"checksum"``, ``"trailer"``, ``"capacity"``,
             ``"other"``.
+
     """
 
     def __init__(self, kind: str, message: str, err: int | None = None) -> None:
@@ -96,6 +97,7 @@ def storage_error_kind(exc: BaseException) -> str:
 
     Returns:
         A short kind string (see :class:`StorageError`).
+
     """
     if isinstance(exc, StorageError):
         return exc.kind

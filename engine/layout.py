@@ -51,6 +51,7 @@ class Piece:
         page_start: byte offset of the piece inside the page payload.
         nbytes: bytes of the piece per block.
         itemsize: bytes per element of ``view``.
+
     """
 
     view: torch.Tensor
@@ -72,6 +73,7 @@ class LayerRegion:
         dtype: the user's dtype (recorded for ``describe()``).
         shape: the user's tensor shape.
         block_dim: the user's block dimension.
+
     """
 
     names: tuple[str, ...]
@@ -138,6 +140,7 @@ def _pieces(page: torch.Tensor, payload: int) -> tuple[Piece, ...]:
     Args:
         page: uint8 view ``(num_blocks, d1, ..., dk)`` with merged dims.
         payload: bytes to cover, ``0 < payload <= d1*...*dk``.
+
     """
     pieces: list[Piece] = []
     dims = list(page.shape[1:])
@@ -246,6 +249,7 @@ class KVLayout:
                 sparse tensor, a bad block dimension, layers of one group with
                 different ``num_blocks``, a payload outside ``(0, page bytes]``,
                 overlapping layers inside one group, or a bad ``tokens_per_block``.
+
         """
         if not isinstance(groups, Mapping) or not groups:
             raise LayoutError("KVLayout needs at least one group of layer tensors")
@@ -275,14 +279,24 @@ class KVLayout:
                 if not isinstance(tensor, torch.Tensor):
                     raise LayoutError(f"layer {name!r}: expected a torch.Tensor")
                 if tensor.is_sparse or tensor.device.type == "meta" or tensor.is_quantized:
-                    raise LayoutError(f"layer {name!r}: {tensor.device}/{tensor.layout} tensors are not supported")
+                    raise LayoutError(
+                        f"layer {name!r}: {tensor.device}/{tensor.layout} tensors are not supported"
+                    )
                 if device is None:
                     device = tensor.device
                 elif tensor.device != device:
-                    raise LayoutError(f"layer {name!r} is on {tensor.device}, other layers on {device}")
+                    raise LayoutError(
+                        f"layer {name!r} is on {tensor.device}, other layers on {device}"
+                    )
                 bd = block_dim.get(name, 0) if isinstance(block_dim, Mapping) else block_dim
-                if isinstance(bd, bool) or not isinstance(bd, int) or not -tensor.dim() <= bd < tensor.dim():
-                    raise LayoutError(f"layer {name!r}: block_dim {bd!r} invalid for shape {tuple(tensor.shape)}")
+                if (
+                    isinstance(bd, bool)
+                    or not isinstance(bd, int)
+                    or not -tensor.dim() <= bd < tensor.dim()
+                ):
+                    raise LayoutError(
+                        f"layer {name!r}: block_dim {bd!r} invalid for shape {tuple(tensor.shape)}"
+                    )
                 bd %= tensor.dim()
                 if tensor.dtype.itemsize > 1 and tensor.stride(-1) != 1 and tensor.size(-1) != 1:
                     raise LayoutError(f"layer {name!r}: the last dimension must be contiguous")
@@ -291,7 +305,11 @@ class KVLayout:
                 view = _byte_view(tensor, bd)
                 page_nbytes = math.prod(view.shape[1:])
                 payload = payload_nbytes.get(name, page_nbytes)
-                if isinstance(payload, bool) or not isinstance(payload, int) or not 0 < payload <= page_nbytes:
+                if (
+                    isinstance(payload, bool)
+                    or not isinstance(payload, int)
+                    or not 0 < payload <= page_nbytes
+                ):
                     raise LayoutError(
                         f"layer {name!r}: payload_nbytes {payload!r} outside (0, {page_nbytes}]"
                     )
@@ -299,8 +317,14 @@ class KVLayout:
                 if ident in seen:
                     old = regions[seen[ident]]
                     regions[seen[ident]] = LayerRegion(
-                        (*old.names, name), old.payload_nbytes, old.page_nbytes, old.pieces,
-                        old.num_blocks, old.dtype, old.shape, old.block_dim,
+                        (*old.names, name),
+                        old.payload_nbytes,
+                        old.page_nbytes,
+                        old.pieces,
+                        old.num_blocks,
+                        old.dtype,
+                        old.shape,
+                        old.block_dim,
                     )
                     continue
                 for other_view, other in zip(views, regions, strict=True):
@@ -312,8 +336,14 @@ class KVLayout:
                 views.append(view)
                 regions.append(
                     LayerRegion(
-                        (name,), payload, page_nbytes, _pieces(view, payload), view.size(0),
-                        tensor.dtype, tuple(tensor.shape), bd,
+                        (name,),
+                        payload,
+                        page_nbytes,
+                        _pieces(view, payload),
+                        view.size(0),
+                        tensor.dtype,
+                        tuple(tensor.shape),
+                        bd,
                     )
                 )
             nbs = {r.num_blocks for r in regions}
@@ -355,11 +385,14 @@ class KVLayout:
 
         Raises:
             LayoutError: the config has no supported attention layers.
+
         """
         from kvtier._hf import hf_kv_groups
 
         g = hf_kv_groups(config, num_blocks, tokens_per_block, dtype, device)
-        return cls.from_tensors(groups=g.groups, block_dim=g.block_dim, tokens_per_block=g.tokens_per_block)
+        return cls.from_tensors(
+            groups=g.groups, block_dim=g.block_dim, tokens_per_block=g.tokens_per_block
+        )
 
     # ------------------------------------------------------------------ queries
     @property
@@ -372,6 +405,7 @@ class KVLayout:
 
         Raises:
             UnknownGroupError: the layout has no such group.
+
         """
         try:
             return self._groups[group_id]
@@ -388,6 +422,7 @@ class KVLayout:
 
         Raises:
             UnknownGroupError: unknown group.
+
         """
         return blocks_per_chunk * self.group(group_id).block_payload_nbytes
 

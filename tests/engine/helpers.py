@@ -19,7 +19,9 @@ def fill_random(t: torch.Tensor, seed: int) -> None:
     u8.copy_(torch.randint(0, 256, u8.shape, generator=g, dtype=torch.uint8))
 
 
-def equal_groups(nb: int, n_groups: int, layers_per_group: int, page: tuple[int, ...]) -> dict[int, dict[str, torch.Tensor]]:
+def equal_groups(
+    nb: int, n_groups: int, layers_per_group: int, page: tuple[int, ...]
+) -> dict[int, dict[str, torch.Tensor]]:
     groups = {}
     for g in range(n_groups):
         groups[g] = {}

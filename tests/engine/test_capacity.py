@@ -32,15 +32,18 @@ async def test_eight_equal_groups_hold_sixteen_keys(blocks_per_chunk: int) -> No
                 chunks.append(kvtier.Chunk(key(f"{g}-{c}", g), ids))
         expected = {ch.key: snapshot(layout, ch.key.group_id, list(ch.block_ids)) for ch in chunks}
         result = await engine.store(chunks)
-        assert len(result.stored) == 16 and not result.rejected and not result.skipped
+        assert len(result.stored) == 16
+        assert not result.rejected
+        assert not result.skipped
         stats = engine.stats()
         assert stats.evictions == 0
-        assert stats.keys_per_group == {g: 2 for g in range(8)}
+        assert stats.keys_per_group == dict.fromkeys(range(8), 2)
         assert all(r is kvtier.Residency.CPU for r in engine.lookup([c.key for c in chunks]))
         for g in range(8):
             clear_blocks(layout, g, list(range(nb)))
         loaded = await engine.load(chunks)
-        assert not loaded.failed and len(loaded.loaded) == 16
+        assert not loaded.failed
+        assert len(loaded.loaded) == 16
         for ch in chunks:
             got = snapshot(layout, ch.key.group_id, list(ch.block_ids))
             assert all(torch.equal(a, b) for a, b in zip(got, expected[ch.key], strict=True))
@@ -60,17 +63,24 @@ async def test_unequal_groups_slot_sized_for_largest(blocks_per_chunk: int) -> N
     slot = layout.slot_nbytes(blocks_per_chunk)
     assert slot == round_up(max(sizes)) + 4096
     cpu_bytes = 7 * slot + slot // 2
-    async with kvtier.TransferEngine(layout, kvtier.EngineConfig(cpu_bytes, blocks_per_chunk)) as engine:
+    async with kvtier.TransferEngine(
+        layout, kvtier.EngineConfig(cpu_bytes, blocks_per_chunk)
+    ) as engine:
         assert engine.num_slots == cpu_bytes // slot == 7
         chunks = [
-            kvtier.Chunk(key(i, i % 3), list(range((i // 3) * blocks_per_chunk, (i // 3 + 1) * blocks_per_chunk)))
+            kvtier.Chunk(
+                key(i, i % 3),
+                list(range((i // 3) * blocks_per_chunk, (i // 3 + 1) * blocks_per_chunk)),
+            )
             for i in range(7)
         ]
         res = await engine.store(chunks)
-        assert len(res.stored) == 7 and engine.stats().evictions == 0
+        assert len(res.stored) == 7
+        assert engine.stats().evictions == 0
         stats = engine.stats()
         assert stats.reserved_nbytes == 7 * slot
         assert stats.slot_waste_nbytes == 7 * slot - sum(sizes[i % 3] for i in range(7))
         # One more key of any group must evict exactly one.
         res = await engine.store([kvtier.Chunk(key("extra", 0), [0])])
-        assert len(res.stored) == 1 and engine.stats().evictions == 1
+        assert len(res.stored) == 1
+        assert engine.stats().evictions == 1

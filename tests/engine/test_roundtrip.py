@@ -11,8 +11,13 @@ import kvtier
 from tests.engine.helpers import fill_random, key, same
 
 
-async def _roundtrip(layout: kvtier.KVLayout, tensors: list[torch.Tensor], chunks: list[kvtier.Chunk],
-                     bpc: int, reload: list[kvtier.Chunk] | None = None) -> None:
+async def _roundtrip(
+    layout: kvtier.KVLayout,
+    tensors: list[torch.Tensor],
+    chunks: list[kvtier.Chunk],
+    bpc: int,
+    reload: list[kvtier.Chunk] | None = None,
+) -> None:
     before = [t.clone() for t in tensors]
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(64 << 20, bpc)) as engine:
         res = await engine.store(chunks)
@@ -32,7 +37,9 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _blocks_equal(a: torch.Tensor, b: torch.Tensor, block_dim: int, ids: list[int]) -> bool:
     idx = torch.tensor(ids)
-    return torch.equal(_bytes(a.index_select(block_dim, idx)), _bytes(b.index_select(block_dim, idx)))
+    return torch.equal(
+        _bytes(a.index_select(block_dim, idx)), _bytes(b.index_select(block_dim, idx))
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.int8])
@@ -66,7 +73,8 @@ async def test_packed_layout_copies_only_group_regions() -> None:
     fill_random(base, 3)
     a, b, c = base[:, 0], base[:, 1], base[:, 2]
     layout = kvtier.KVLayout.from_tensors({0: {"a": a, "c": c}, 1: {"b": b}})
-    assert layout.group_nbytes(0, 2) == 2 * 2 * page and layout.group_nbytes(1, 2) == 2 * page
+    assert layout.group_nbytes(0, 2) == 2 * 2 * page
+    assert layout.group_nbytes(1, 2) == 2 * page
     before = base.clone()
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 2)) as engine:
         await engine.store([kvtier.Chunk(key("g0", 0), [1, 6])])
@@ -88,7 +96,9 @@ async def test_tensor_shared_by_two_groups() -> None:
         t.zero_()
         assert not (await engine.load(chunks)).failed
         with pytest.raises(kvtier.errors.BlockIdError):
-            await engine.load([kvtier.Chunk(key("a", 0), [0, 1]), kvtier.Chunk(key("a", 1), [1, 9])])
+            await engine.load(
+                [kvtier.Chunk(key("a", 0), [0, 1]), kvtier.Chunk(key("a", 1), [1, 9])]
+            )
     assert same(t[[0, 1, 8, 9]], before[[0, 1, 8, 9]])
 
 
@@ -171,7 +181,8 @@ async def test_empty_group_in_batch_and_slot_reuse_across_groups() -> None:
         assert engine.stats().keys_per_group == {0: 2}
         # group 1 keys reuse the evicted group-0 slots
         res = await engine.store([kvtier.Chunk(key(2, 1), [4, 5]), kvtier.Chunk(key(3, 1), [6, 7])])
-        assert len(res.stored) == 2 and engine.stats().evictions == 2
+        assert len(res.stored) == 2
+        assert engine.stats().evictions == 2
         assert engine.lookup([key(0, 0), key(1, 0)]) == [kvtier.Residency.MISS] * 2
         b.zero_()
         out = await engine.load([kvtier.Chunk(key(2, 1), [4, 5]), kvtier.Chunk(key(3, 1), [6, 7])])
@@ -194,7 +205,8 @@ async def test_store_racing_load_of_same_key() -> None:
         assert engine.lookup([k]) == [kvtier.Residency.PENDING]
         load = asyncio.ensure_future(engine.load([kvtier.Chunk(k, [4, 5])]))
         res, out = await asyncio.gather(store, load)
-        assert res.stored == (k,) and out.loaded == (k,)
+        assert res.stored == (k,)
+        assert out.loaded == (k,)
     assert same(t[4:6], before[0:2])
 
 
