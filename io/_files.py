@@ -1,0 +1,351 @@
+"""Blocking file-side steps of the NVMe tier; each runs in a tier worker thread.
+
+Directory preparation and locking, segment creation and scanning, and the
+coalesced row reads and writes (with trailer encoding and verification). None
+of these functions may be called on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import mmap
+import os
+import pathlib
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier._types import OffloadKey
+from kvtier.errors import ConfigError, NamespaceLockedError, StorageError, storage_error_kind
+from kvtier.io._format import (
+    HEADER_NBYTES,
+    TRAILER_NBYTES,
+    RowTrailer,
+    decode_header,
+    decode_trailer,
+    encode_trailer,
+    is_blank,
+    payload_checksum,
+)
+from kvtier.io._index import RowEntry, RowRef
+from kvtier.io._rowio import RowIO
+
+SEGMENT_SUFFIX = ".kvrows"
+_NO_ROW = RowRef(-1, -1, -1)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """What the rows of one group must look like (fixed for a tier's lifetime)."""
+
+    group_id: int
+    digest: bytes
+    payload_nbytes: int
+    payload_region: int
+    row_nbytes: int
+    blocks_per_chunk: int
+
+    def row_offset(self, row: int) -> int:
+        """File offset in bytes of a row (4 KiB aligned)."""
+        return HEADER_NBYTES + row * self.row_nbytes
+
+
+@dataclass(slots=True)
+class WriteJob:
+    """One row of a ``write_rows`` call; ``buf`` is ``slot_buf[:row_nbytes]``."""
+
+    key: OffloadKey
+    start: int
+    stop: int
+    buf: memoryview
+    pos: int
+    ref: RowRef = _NO_ROW
+    seq: int = 0
+
+
+@dataclass(slots=True)
+class ReadJob:
+    """One row of a ``read_rows`` call; ``buf`` is ``slot_buf[:row_nbytes]``."""
+
+    key: OffloadKey
+    buf: memoryview
+    entry: RowEntry
+    pos: int
+
+
+@dataclass(slots=True)
+class ScanResult:
+    """A segment found at open: handle, rows and counts (``handle`` None: unusable)."""
+
+    handle: Any
+    num_rows: int = 0
+    rows: list[tuple[RowRef, OffloadKey, int, int, int]] = field(default_factory=list)
+    invalid_rows: int = 0
+    error: str = ""
+
+
+def prepare_directory(root: pathlib.Path, directory: pathlib.Path, format_json: str) -> int:
+    """Check ``root``, create ``directory``, take its lock, write ``format.json``.
+
+    Returns:
+        The lock file descriptor (``flock`` held; released on close or death).
+
+    Raises:
+        ConfigError: ``root`` is not a directory or cannot be written.
+        NamespaceLockedError: another live process (or tier) holds the lock.
+
+    """
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"NVMe root {str(root)!r} exists and is not a directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create NVMe directory {str(directory)!r}: {exc}") from exc
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"NVMe directory {str(directory)!r} is not writable")
+    try:
+        fd = os.open(directory / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"NVMe directory {str(directory)!r} is not writable: {exc}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        os.close(fd)
+        raise NamespaceLockedError(
+            f"NVMe namespace {str(directory)!r} is locked by another live engine"
+        ) from exc
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        path = directory / "format.json"
+        if not path.exists() or path.read_text(errors="replace") != format_json:
+            tmp = directory / "format.json.tmp"
+            tmp.write_text(format_json)
+            os.replace(tmp, path)
+        for stale in directory.glob(f"g*/*{SEGMENT_SUFFIX}.tmp"):
+            stale.unlink()
+    except OSError as exc:
+        release_lock(fd)
+        raise ConfigError(f"NVMe directory {str(directory)!r} is not writable: {exc}") from exc
+    return fd
+
+
+def release_lock(fd: int) -> None:
+    """Release the namespace lock taken by :func:`prepare_directory`."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def list_segments(group_dir: pathlib.Path) -> list[int]:
+    """Segment numbers present in a group folder, ascending."""
+    numbers = []
+    if group_dir.is_dir():
+        for path in group_dir.iterdir():
+            stem = path.name.removesuffix(SEGMENT_SUFFIX)
+            if path.name.endswith(SEGMENT_SUFFIX) and stem.isdigit():
+                numbers.append(int(stem))
+    return sorted(numbers)
+
+
+def _aligned(nbytes: int) -> mmap.mmap:
+    return mmap.mmap(-1, nbytes)  # page aligned, zero filled
+
+
+def validate_trailer(spec: GroupSpec, trailer: RowTrailer) -> str:
+    """Return why a decoded trailer does not belong to this format/group ('' if fine)."""
+    if trailer.digest != spec.digest:
+        return "digest differs"
+    if trailer.group_id != spec.group_id:
+        return f"group {trailer.group_id} != {spec.group_id}"
+    if trailer.payload_nbytes != spec.payload_nbytes:
+        return f"payload_nbytes {trailer.payload_nbytes} != {spec.payload_nbytes}"
+    if not 0 <= trailer.start < trailer.stop <= spec.blocks_per_chunk:
+        return f"sub-block range {trailer.start}..{trailer.stop} invalid"
+    return ""
+
+
+def scan_segment(row_io: RowIO, path: pathlib.Path, spec: GroupSpec, number: int) -> ScanResult:
+    """Open a segment, validate its header and read every row trailer.
+
+    Blank (all-zero) trailers are free rows; undecodable or foreign trailers
+    are counted invalid (and are free space). A file shorter than its header
+    says is extended again (rows cut by the truncation count as invalid).
+    """
+    handle = row_io.open(path, create=False)
+    try:
+        buf = _aligned(HEADER_NBYTES)
+        if row_io.preadv(handle, [memoryview(buf)], 0) != HEADER_NBYTES:
+            raise StorageError("header", "short segment header")
+        header = decode_header(memoryview(buf))
+        if (header.digest, header.group_id, header.row_nbytes) != (
+            spec.digest,
+            spec.group_id,
+            spec.row_nbytes,
+        ):
+            raise StorageError("header", "segment header does not match the format")
+        result = ScanResult(handle, header.num_rows)
+        size = os.stat(path).st_size
+        full = spec.row_offset(header.num_rows)
+        if size < full:
+            first_cut = max(0, (size - HEADER_NBYTES) // spec.row_nbytes)
+            result.invalid_rows += int(spec.row_offset(first_cut) < size)
+            row_io.allocate(handle, full)
+        view = memoryview(buf)
+        for i in range(header.num_rows):
+            file_offset = spec.row_offset(i) + spec.payload_region
+            if row_io.preadv(handle, [view], file_offset) != TRAILER_NBYTES or is_blank(view):
+                continue
+            try:
+                trailer = decode_trailer(view)
+            except StorageError:
+                result.invalid_rows += 1
+                continue
+            if validate_trailer(spec, trailer):
+                result.invalid_rows += 1
+                continue
+            key = OffloadKey(trailer.block_hash, trailer.group_id)
+            result.rows.append(
+                (RowRef(spec.group_id, number, i), key, trailer.start, trailer.stop, trailer.seq)
+            )
+        return result
+    except (StorageError, OSError) as exc:
+        row_io.close(handle)
+        return ScanResult(None, error=str(exc))
+
+
+def create_segment(
+    row_io: RowIO, group_dir: pathlib.Path, number: int, header: bytes, nbytes: int
+) -> Any:
+    """Create ``<number>.kvrows`` atomically (temp file, fdatasync, rename); return its handle.
+
+    Raises:
+        OSError, StorageError: the file could not be created, sized or written.
+
+    """
+    group_dir.mkdir(exist_ok=True)
+    tmp = group_dir / f"{number}{SEGMENT_SUFFIX}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    handle = row_io.open(tmp, create=True)
+    try:
+        row_io.allocate(handle, nbytes)
+        buf = _aligned(HEADER_NBYTES)
+        buf.write(header)
+        if row_io.pwritev(handle, [memoryview(buf)], 0) != HEADER_NBYTES:
+            raise StorageError("short_write", f"short header write to {tmp}")
+        row_io.fdatasync(handle)
+        os.rename(tmp, group_dir / f"{number}{SEGMENT_SUFFIX}")
+        dir_fd = os.open(group_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        row_io.close(handle)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return handle
+
+
+def write_run(
+    row_io: RowIO, handle: Any, spec: GroupSpec, jobs: Sequence[WriteJob]
+) -> tuple[int, BaseException | None, float]:
+    """Seal each row (checksum + trailer into the slot) and write the run with one pwritev.
+
+    ``jobs`` occupy consecutive rows of one segment, in row order.
+
+    Returns:
+        ``(bytes written, exception or None, seconds)``; never raises.
+
+    """
+    t0 = time.perf_counter()
+    try:
+        for job in jobs:
+            region = job.buf[: spec.payload_region]
+            trailer = RowTrailer(
+                spec.digest,
+                job.key.block_hash,
+                spec.group_id,
+                job.start,
+                job.stop,
+                spec.payload_nbytes,
+                job.seq,
+                payload_checksum(region),
+            )
+            job.buf[spec.payload_region : spec.row_nbytes] = encode_trailer(trailer)
+        n = row_io.pwritev(handle, [j.buf for j in jobs], spec.row_offset(jobs[0].ref.row))
+        return n, None, time.perf_counter() - t0
+    except Exception as exc:
+        return 0, exc, time.perf_counter() - t0
+
+
+def read_run(
+    row_io: RowIO, handle: Any, spec: GroupSpec, jobs: Sequence[ReadJob]
+) -> tuple[list[StorageError | None], float]:
+    """Read a run of consecutive rows with one preadv and verify each row.
+
+    Returns:
+        Per job ``None`` (verified) or the :class:`StorageError` (kinds
+        ``short_read``, ``trailer``, ``checksum`` or the OSError's kind), and
+        the seconds spent; never raises.
+
+    """
+    t0 = time.perf_counter()
+    try:
+        n = row_io.preadv(handle, [j.buf for j in jobs], spec.row_offset(jobs[0].entry.ref.row))
+    except Exception as exc:
+        errno_ = exc.errno if isinstance(exc, OSError) else None
+        err = StorageError(storage_error_kind(exc), f"row read failed: {exc}", errno_)
+        err.__cause__ = exc
+        return [err] * len(jobs), time.perf_counter() - t0
+    results: list[StorageError | None] = []
+    for i, job in enumerate(jobs):
+        if n < (i + 1) * spec.row_nbytes:
+            results.append(
+                StorageError("short_read", f"short read of {job.key} at {job.entry.ref}")
+            )
+            continue
+        results.append(verify_row(spec, job))
+    return results, time.perf_counter() - t0
+
+
+def verify_row(spec: GroupSpec, job: ReadJob) -> StorageError | None:
+    """Check a row read into ``job.buf`` against its key, entry and checksum."""
+    try:
+        trailer = decode_trailer(job.buf[spec.payload_region : spec.row_nbytes])
+    except StorageError as exc:
+        return StorageError("trailer", f"{job.key}: {exc.strerror}")
+    why = validate_trailer(spec, trailer)
+    if not why and trailer.block_hash != job.key.block_hash:
+        why = "block_hash differs"
+    if not why and (trailer.seq, trailer.start, trailer.stop) != (
+        job.entry.seq,
+        job.entry.start,
+        job.entry.stop,
+    ):
+        why = f"seq/range {trailer.seq}:{trailer.start}..{trailer.stop} differs from the index"
+    if why:
+        return StorageError("trailer", f"{job.key}: trailer mismatch: {why}")
+    if payload_checksum(job.buf[: spec.payload_region]) != trailer.checksum:
+        return StorageError("checksum", f"{job.key}: payload checksum mismatch")
+    return None
+
+
+def group_layout_json(
+    layout_description: Mapping[str, Any], group_id: int, limit: int = 3000
+) -> str:
+    """Return the header JSON of one group: its part of the layout when it fits."""
+    groups = layout_description.get("groups")
+    part: Any = None
+    if isinstance(groups, Mapping):
+        part = groups.get(str(group_id), groups.get(group_id))
+    text = json.dumps({"group_id": group_id, "layout": part}, sort_keys=True)
+    if len(text) > limit:
+        text = json.dumps({"group_id": group_id, "layout": "omitted: too large"})
+    return text

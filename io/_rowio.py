@@ -1,0 +1,340 @@
+"""RowIO: the synchronous I/O backends of the NVMe tier, and their selection.
+
+Every method of a :class:`RowIO` blocks; the tier calls them only from its own
+worker threads, never from the event loop thread. Short counts are returned,
+not raised: the caller decides that a short read or write is a failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import importlib.util
+import logging
+import mmap
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from kvtier.errors import ConfigError
+from kvtier.io._align import ALIGN, buffer_address, check_direct
+
+__all__ = [
+    "KvikioRowIO",
+    "PosixRowIO",
+    "RowIO",
+    "kvikio_available",
+    "probe_direct_io",
+    "select_backend",
+]
+
+log = logging.getLogger("kvtier.io")
+
+IOV_MAX = 1024
+"""Most iovecs one ``preadv``/``pwritev`` call may take on Linux."""
+
+
+@runtime_checkable
+class RowIO(Protocol):
+    """A file I/O backend for row files. All methods block (worker threads only).
+
+    Attributes:
+        name: short backend name (``"posix"``, ``"kvikio"``, ...).
+        direct: whether requests bypass the page cache (O_DIRECT); then every
+            buffer address, buffer length and file offset must be 4 KiB aligned.
+
+    """
+
+    name: str
+    direct: bool
+
+    def open(self, path: str | os.PathLike[str], create: bool) -> Any:
+        """Open ``path`` read-write (creating it when ``create``); return a handle.
+
+        Raises:
+            OSError: the file cannot be opened.
+
+        """
+        ...
+
+    def preadv(self, handle: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
+        """Read into ``bufs`` in order from ``file_offset``; return bytes read.
+
+        Raises:
+            OSError: the backend failed (errno kept).
+            AlignmentError: direct mode and a buffer or the offset is misaligned.
+
+        """
+        ...
+
+    def pwritev(self, handle: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
+        """Write ``bufs`` in order at ``file_offset``; return bytes written.
+
+        Raises:
+            OSError: the backend failed (errno kept).
+            AlignmentError: direct mode and a buffer or the offset is misaligned.
+
+        """
+        ...
+
+    def fdatasync(self, handle: Any) -> None:
+        """Make written data durable. Raises OSError."""
+        ...
+
+    def allocate(self, handle: Any, nbytes: int) -> None:
+        """Make the file at least ``nbytes`` long, reserving blocks where possible.
+
+        ``posix_fallocate``; where the filesystem does not support it,
+        ``ftruncate`` (never shrinks). Raises OSError (e.g. ENOSPC).
+        """
+        ...
+
+    def close(self, handle: Any) -> None:
+        """Close the handle. Raises OSError."""
+        ...
+
+
+def _check_request(bufs: Sequence[memoryview], file_offset: int) -> None:
+    offset = file_offset
+    for buf in bufs:
+        check_direct(buffer_address(buf), memoryview(buf).nbytes, offset)
+        offset += memoryview(buf).nbytes
+
+
+def _allocate_fd(fd: int, nbytes: int) -> None:
+    size = os.fstat(fd).st_size
+    if size >= nbytes:
+        return
+    try:
+        os.posix_fallocate(fd, size, nbytes - size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # not supported here
+            raise
+        os.ftruncate(fd, nbytes)
+
+
+class PosixRowIO:
+    """``os.preadv``/``os.pwritev`` on file descriptors, optionally with O_DIRECT.
+
+    Args:
+        direct: open files with ``O_DIRECT``; then :meth:`preadv` and
+            :meth:`pwritev` check every iovec with
+            :func:`kvtier.io._align.check_direct` before the system call.
+
+    """
+
+    def __init__(self, direct: bool) -> None:
+        self.direct = bool(direct)
+        self.name = "posix"
+
+    def __repr__(self) -> str:
+        return f"PosixRowIO(direct={self.direct})"
+
+    def open(self, path: str | os.PathLike[str], create: bool) -> int:
+        """Open ``path`` O_RDWR (plus O_CREAT, O_DIRECT as configured); return the fd."""
+        flags = os.O_RDWR | os.O_CLOEXEC
+        if create:
+            flags |= os.O_CREAT
+        if self.direct:
+            flags |= os.O_DIRECT
+        return os.open(path, flags, 0o644)
+
+    def preadv(self, handle: int, bufs: Sequence[memoryview], file_offset: int) -> int:
+        """See :meth:`RowIO.preadv`."""
+        if self.direct:
+            _check_request(bufs, file_offset)
+        return os.preadv(handle, bufs, file_offset)
+
+    def pwritev(self, handle: int, bufs: Sequence[memoryview], file_offset: int) -> int:
+        """See :meth:`RowIO.pwritev`."""
+        if self.direct:
+            _check_request(bufs, file_offset)
+        return os.pwritev(handle, bufs, file_offset)
+
+    def fdatasync(self, handle: int) -> None:
+        """See :meth:`RowIO.fdatasync`."""
+        os.fdatasync(handle)
+
+    def allocate(self, handle: int, nbytes: int) -> None:
+        """See :meth:`RowIO.allocate`."""
+        _allocate_fd(handle, nbytes)
+
+    def close(self, handle: int) -> None:
+        """See :meth:`RowIO.close`."""
+        os.close(handle)
+
+
+class _KvikioHandle:
+    __slots__ = ("cufile", "fd")
+
+    def __init__(self, cufile: Any, fd: int) -> None:
+        self.cufile = cufile
+        self.fd = fd
+
+
+class KvikioRowIO:
+    """kvikio ``CuFile`` pread/pwrite (GDS where available), one call per iovec.
+
+    kvikio is imported when the object is created, never at module import.
+    A plain POSIX descriptor is kept next to each CuFile for ``fdatasync`` and
+    ``allocate``. The blocking ``IOFuture.get()`` runs in the caller's worker
+    thread, never on the event loop.
+
+    Args:
+        direct: whether O_DIRECT works on the target filesystem (informative:
+            kvikio decides itself how it opens files).
+
+    Raises:
+        ImportError: kvikio is not installed.
+
+    """
+
+    def __init__(self, direct: bool = True) -> None:
+        import kvikio
+
+        self._kvikio = kvikio
+        self.direct = bool(direct)
+        self.name = "kvikio"
+
+    def __repr__(self) -> str:
+        return f"KvikioRowIO(direct={self.direct})"
+
+    def open(self, path: str | os.PathLike[str], create: bool) -> _KvikioHandle:
+        """Open ``path`` read-write through kvikio (creating it when ``create``)."""
+        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+        fd = os.open(path, flags, 0o644)
+        try:
+            cufile = self._kvikio.CuFile(os.fspath(path), "r+")
+        except BaseException:
+            os.close(fd)
+            raise
+        return _KvikioHandle(cufile, fd)
+
+    def preadv(self, handle: _KvikioHandle, bufs: Sequence[memoryview], file_offset: int) -> int:
+        """See :meth:`RowIO.preadv`; one ``CuFile.pread`` per buffer, stops at a short one."""
+        done = 0
+        for buf in bufs:
+            nbytes = memoryview(buf).nbytes
+            n = int(handle.cufile.pread(buf, nbytes, file_offset + done).get())
+            done += n
+            if n != nbytes:
+                break
+        return done
+
+    def pwritev(self, handle: _KvikioHandle, bufs: Sequence[memoryview], file_offset: int) -> int:
+        """See :meth:`RowIO.pwritev`; one ``CuFile.pwrite`` per buffer, stops at a short one."""
+        done = 0
+        for buf in bufs:
+            nbytes = memoryview(buf).nbytes
+            n = int(handle.cufile.pwrite(buf, nbytes, file_offset + done).get())
+            done += n
+            if n != nbytes:
+                break
+        return done
+
+    def fdatasync(self, handle: _KvikioHandle) -> None:
+        """See :meth:`RowIO.fdatasync`."""
+        os.fdatasync(handle.fd)
+
+    def allocate(self, handle: _KvikioHandle, nbytes: int) -> None:
+        """See :meth:`RowIO.allocate`."""
+        _allocate_fd(handle.fd, nbytes)
+
+    def close(self, handle: _KvikioHandle) -> None:
+        """See :meth:`RowIO.close`."""
+        try:
+            handle.cufile.close()
+        finally:
+            os.close(handle.fd)
+
+
+def kvikio_available() -> bool:
+    """Whether kvikio imports AND a CUDA driver loads (blocks; imports torch).
+
+    True only when ``kvikio`` is importable, ``libcuda.so.1`` loads and
+    ``torch.cuda.is_available()``.
+    """
+    if importlib.util.find_spec("kvikio") is None:
+        return False
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        import kvikio  # noqa: F401
+        import torch
+    except (ImportError, OSError):
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def probe_direct_io(probe_dir: str | os.PathLike[str]) -> bool:
+    """Whether O_DIRECT really works in ``probe_dir`` (blocks: writes a file).
+
+    Writes an aligned 4 KiB pattern to a temporary file with O_DIRECT, reads it
+    back with O_DIRECT, compares and removes the file.
+
+    Returns:
+        True when the round trip succeeded bit for bit.
+
+    Raises:
+        OSError: the probe file cannot be created even without O_DIRECT
+            (e.g. the directory is not writable).
+
+    """
+    path = os.path.join(os.fspath(probe_dir), f".kvtier-odirect-probe-{os.getpid()}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    os.close(fd)
+    pattern = bytes(range(256)) * (ALIGN // 256)
+    try:
+        with mmap.mmap(-1, ALIGN) as out, mmap.mmap(-1, ALIGN) as back:
+            out.write(pattern)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+            except OSError:
+                return False
+            try:
+                ok = os.pwritev(fd, [out], 0) == ALIGN and os.preadv(fd, [back], 0) == ALIGN
+            except OSError:
+                return False
+            finally:
+                os.close(fd)
+            return ok and back[:] == pattern
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def select_backend(io_backend: str, direct_io: str, probe_dir: str | os.PathLike[str]) -> RowIO:
+    """Choose and construct the RowIO backend (blocks: probes the filesystem).
+
+    Args:
+        io_backend: ``"auto"`` (kvikio when :func:`kvikio_available`, else
+            posix), ``"posix"`` or ``"kvikio"``.
+        direct_io: ``"auto"`` (probe O_DIRECT in ``probe_dir``; on failure log
+            a warning and use buffered I/O), ``"on"`` or ``"off"``.
+        probe_dir: an existing writable directory on the target filesystem.
+
+    Returns:
+        The backend; its ``direct`` attribute tells whether O_DIRECT is used.
+
+    Raises:
+        ConfigError: unknown option value; ``io_backend="kvikio"`` without
+            kvikio or a CUDA driver; ``direct_io="on"`` where O_DIRECT fails.
+
+    """
+    if io_backend not in ("auto", "posix", "kvikio"):
+        raise ConfigError(f"io_backend must be auto, posix or kvikio, got {io_backend!r}")
+    if direct_io not in ("auto", "on", "off"):
+        raise ConfigError(f"direct_io must be auto, on or off, got {direct_io!r}")
+    direct = False
+    if direct_io != "off":
+        direct = probe_direct_io(probe_dir)
+        if not direct and direct_io == "on":
+            raise ConfigError(f"direct_io='on' but O_DIRECT does not work in {probe_dir}")
+        if not direct:
+            log.warning("O_DIRECT does not work in %s; falling back to buffered I/O", probe_dir)
+    use_kvikio = io_backend == "kvikio" or (io_backend == "auto" and kvikio_available())
+    if use_kvikio:
+        if io_backend == "kvikio" and not kvikio_available():
+            raise ConfigError("io_backend='kvikio' needs kvikio and a loadable CUDA driver")
+        return KvikioRowIO(direct)
+    return PosixRowIO(direct)

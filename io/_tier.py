@@ -1,0 +1,669 @@
+"""NVMeTier: the engine's only entry point to the NVMe tier (DESIGN.md section 5)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import pathlib
+import re
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from kvtier._types import OffloadKey
+from kvtier.errors import (
+    ChunkRangeError,
+    ConfigError,
+    DuplicateKeyError,
+    EngineClosedError,
+    InvalidArgumentError,
+    StorageError,
+    UnknownGroupError,
+    storage_error_kind,
+)
+from kvtier.io import _files
+from kvtier.io._align import ALIGN, buffer_address, check_direct, round_up
+from kvtier.io._files import GroupSpec, ReadJob, WriteJob
+from kvtier.io._format import (
+    HEADER_NBYTES,
+    SegmentHeader,
+    digest16,
+    encode_header,
+    format_digest,
+    format_fields,
+)
+from kvtier.io._index import RowIndex, RowRef
+from kvtier.io._rowio import IOV_MAX, RowIO, select_backend
+
+__all__ = ["FAILURE_KINDS", "NVMeTier"]
+
+log = logging.getLogger("kvtier.io")
+T = TypeVar("T")
+
+FAILURE_KINDS = (
+    "eio", "enospc", "einval", "short_read", "short_write",
+    "checksum", "trailer", "capacity", "missing", "other",
+)  # fmt: skip
+"""Failure kinds counted by :meth:`NVMeTier.stats` as ``failures_<kind>``."""
+
+
+@dataclass(slots=True)
+class _Segment:
+    group_id: int
+    number: int
+    handle: Any
+
+
+def _as_storage_error(exc: BaseException, what: str) -> StorageError:
+    if isinstance(exc, StorageError):
+        return exc
+    errno_ = exc.errno if isinstance(exc, OSError) else None
+    err = StorageError(storage_error_kind(exc), f"{what}: {exc}", errno_)
+    err.__cause__ = exc
+    return err
+
+
+class NVMeTier:
+    """Rows of offload keys in per-group segment files under one namespace directory.
+
+    Construction is pure (no I/O); :meth:`open` does the file work. All
+    blocking I/O runs on the tier's own ``ThreadPoolExecutor`` of
+    ``io_threads`` workers, never on the loop thread or the default executor.
+
+    Args:
+        root: parent folder of all namespaces (created if missing).
+        namespace: the user's label (model id, rank); sanitized into the
+            directory name ``<namespace>-<digest16>``.
+        capacity_bytes: bound on ``rows * row_nbytes`` over all groups.
+        layout_description: ``KVLayout.describe()`` (JSON-able).
+        blocks_per_chunk: GPU blocks per chunk (bounds stored ranges).
+        group_nbytes: group id -> unpadded payload bytes of one chunk.
+        io_backend: ``"auto"``, ``"posix"`` or ``"kvikio"``.
+        direct_io: ``"auto"``, ``"on"`` or ``"off"``.
+        io_threads: worker threads (bounds the I/O requests in flight).
+        segment_nbytes: size of a new segment file (header included).
+        request_nbytes: cap of one coalesced read or write request (bytes);
+            a single row is never split.
+        row_io_wrapper: wraps the selected backend (fault injection, counting).
+
+    Raises:
+        ConfigError: an argument is out of range (no state is created).
+
+    """
+
+    directory: pathlib.Path
+    digest: bytes
+
+    def __init__(
+        self,
+        *,
+        root: str | os.PathLike[str],
+        namespace: str,
+        capacity_bytes: int,
+        layout_description: dict[str, Any],
+        blocks_per_chunk: int,
+        group_nbytes: Mapping[int, int],
+        io_backend: str = "auto",
+        direct_io: str = "auto",
+        io_threads: int = 4,
+        segment_nbytes: int = 256 << 20,
+        request_nbytes: int = 4 << 20,
+        row_io_wrapper: Callable[[RowIO], RowIO] | None = None,
+    ) -> None:
+        if not group_nbytes or any(int(n) <= 0 or int(g) < 0 for g, n in group_nbytes.items()):
+            raise ConfigError(f"group_nbytes must map group ids to sizes > 0: {group_nbytes!r}")
+        for name, value, low in (
+            ("capacity_bytes", capacity_bytes, 1),
+            ("blocks_per_chunk", blocks_per_chunk, 1),
+            ("io_threads", io_threads, 1),
+            ("segment_nbytes", segment_nbytes, 2 * ALIGN),
+            ("request_nbytes", request_nbytes, ALIGN),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"NVMeTier {name} must be an int >= {low}, got {value!r}")
+        if io_backend not in ("auto", "posix", "kvikio"):
+            raise ConfigError(f"io_backend must be auto, posix or kvikio, got {io_backend!r}")
+        if direct_io not in ("auto", "on", "off"):
+            raise ConfigError(f"direct_io must be auto, on or off, got {direct_io!r}")
+        self._group_nbytes = {int(g): int(n) for g, n in sorted(group_nbytes.items())}
+        self._row_nbytes = {g: round_up(n) + ALIGN for g, n in self._group_nbytes.items()}
+        fields = format_fields(
+            layout_description=layout_description,
+            blocks_per_chunk=blocks_per_chunk,
+            row_nbytes=self._row_nbytes,
+            namespace=namespace,
+        )
+        self.digest = format_digest(
+            layout_description=layout_description,
+            blocks_per_chunk=blocks_per_chunk,
+            row_nbytes=self._row_nbytes,
+            namespace=namespace,
+        )
+        fields["digest"] = self.digest.hex()
+        self._format_json = json.dumps(fields, indent=2, sort_keys=True) + "\n"
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", namespace)[:80] or "_"
+        self._root = pathlib.Path(root)
+        self.directory = self._root / f"{safe}-{digest16(self.digest)}"
+        self._layout = layout_description
+        self._blocks_per_chunk = blocks_per_chunk
+        self._specs = {
+            g: GroupSpec(g, self.digest, n, round_up(n), self._row_nbytes[g], blocks_per_chunk)
+            for g, n in self._group_nbytes.items()
+        }
+        rows_per_segment = {
+            g: max(1, (segment_nbytes - HEADER_NBYTES) // r) for g, r in self._row_nbytes.items()
+        }
+        self._run_rows = {
+            g: max(1, min(IOV_MAX, request_nbytes // r)) for g, r in self._row_nbytes.items()
+        }
+        self._index = RowIndex(self._row_nbytes, capacity_bytes, rows_per_segment)
+        self._options = (io_backend, direct_io, io_threads, row_io_wrapper)
+        self._state = "new"
+        self._row_io: RowIO | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock_fd: int | None = None
+        self._segments: dict[tuple[int, int], _Segment] = {}
+        self._segment_locks: dict[int, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._write_tasks: set[asyncio.Task[Any]] = set()
+        self._dirty: set[tuple[int, int]] = set()
+        self._write_epoch = self._synced_epoch = 0
+        self._sync_task: asyncio.Task[None] | None = None
+        self._close_task: asyncio.Task[None] | None = None
+        self._counts: dict[str, float] = dict.fromkeys(
+            ["read_bytes", "read_seconds", "write_bytes", "write_seconds"], 0
+        )
+        self._counts.update({f"failures_{k}": 0 for k in FAILURE_KINDS})
+        self._counts.update(invalid_rows_at_open=0, invalid_segments_at_open=0)
+        self._counts.update(read_requests=0, write_requests=0, direct_io_fallback=0)
+
+    # -- sizes ------------------------------------------------------------------
+
+    def row_nbytes(self, group_id: int) -> int:
+        """Bytes of one row of a group: ``round_up(group_nbytes, 4096) + 4096``.
+
+        Raises:
+            UnknownGroupError: the group is not in ``group_nbytes``.
+
+        """
+        return self._row_nbytes[self._group(group_id)]
+
+    def payload_region_nbytes(self, group_id: int) -> int:
+        """``round_up(group_nbytes, 4096)``: the trailer's offset inside a slot.
+
+        Raises:
+            UnknownGroupError: the group is not in ``group_nbytes``.
+
+        """
+        return self._specs[self._group(group_id)].payload_region
+
+    def _group(self, group_id: int) -> int:
+        if group_id not in self._specs:
+            raise UnknownGroupError(f"NVMe tier has no group {group_id!r}")
+        return group_id
+
+    # -- lifecycle --------------------------------------------------------------
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        assert self._executor is not None
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def open(self) -> None:
+        """Prepare the directory, take the lock, choose the backend and rebuild the index.
+
+        Raises:
+            ConfigError: ``root`` is a file or not writable; ``direct_io="on"``
+                without O_DIRECT; kvikio requested but unusable.
+            NamespaceLockedError: another live engine holds the namespace.
+            EngineClosedError: the tier was closed or is already open.
+
+        """
+        if self._state != "new":
+            raise EngineClosedError(f"NVMe tier {self.directory} is {self._state}")
+        self._state = "opening"
+        io_backend, direct_io, io_threads, wrapper = self._options
+        self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-io")
+        try:
+            self._lock_fd = await self._run(
+                _files.prepare_directory, self._root, self.directory, self._format_json
+            )
+            inner = await self._run(select_backend, io_backend, direct_io, self.directory)
+            self._counts["direct_io_fallback"] = int(direct_io == "auto" and not inner.direct)
+            self._row_io = wrapper(inner) if wrapper is not None else inner
+            await self._scan()
+        except BaseException:
+            await self._release()
+            self._state = "closed"
+            raise
+        self._state = "open"
+
+    async def _scan(self) -> None:
+        assert self._row_io is not None
+        found: dict[tuple[int, int], int] = {}
+        rows: list[tuple[RowRef, OffloadKey, int, int, int]] = []
+        for g, spec in self._specs.items():
+            group_dir = self.directory / f"g{g}"
+            numbers = await self._run(_files.list_segments, group_dir)
+            scans = await asyncio.gather(
+                *(
+                    self._run(_files.scan_segment, self._row_io, group_dir / f"{n}.kvrows", spec, n)
+                    for n in numbers
+                )
+            )
+            for n, scan in zip(numbers, scans, strict=True):
+                if scan.handle is None:
+                    log.warning("ignoring unusable segment %s/%d: %s", group_dir, n, scan.error)
+                    self._counts["invalid_segments_at_open"] += 1
+                    self._index.skip_segment(g, n)
+                    continue
+                self._segments[(g, n)] = _Segment(g, n, scan.handle)
+                found[(g, n)] = scan.num_rows
+                rows.extend(scan.rows)
+                self._counts["invalid_rows_at_open"] += scan.invalid_rows
+        self._index.rebuild(found, rows)
+
+    async def _release(self) -> None:
+        row_io, segments, lock_fd = self._row_io, list(self._segments.values()), self._lock_fd
+        self._segments.clear()
+        self._lock_fd = None
+
+        def release() -> None:
+            for seg in segments:
+                with contextlib.suppress(OSError):
+                    assert row_io is not None
+                    row_io.close(seg.handle)
+            if lock_fd is not None:
+                _files.release_lock(lock_fd)
+
+        if self._executor is not None:
+            await self._run(release)
+            self._executor.shutdown(wait=False)
+
+    async def close(self) -> None:
+        """Wait for in-flight I/O, fdatasync written segments, close files, release the lock.
+
+        Idempotent; a cancelled ``close`` keeps closing in the background and a
+        later call waits for it.
+
+        Raises:
+            StorageError: the final fdatasync failed (files are closed anyway).
+
+        """
+        if self._state in ("new", "closed") and self._close_task is None:
+            self._state = "closed"
+            return
+        if self._close_task is None:
+            self._close_task = asyncio.get_running_loop().create_task(self._close())
+        await asyncio.shield(self._close_task)
+
+    async def _close(self) -> None:
+        self._state = "closing"
+        try:
+            while self._tasks:
+                await asyncio.wait(list(self._tasks))
+            if self._dirty:
+                await self._sync_once()
+        finally:
+            await self._release()
+            self._state = "closed"
+
+    def _check_open(self) -> None:
+        if self._state != "open":
+            raise EngineClosedError(f"NVMe tier {self.directory} is {self._state}")
+
+    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
+
+    # -- index queries ----------------------------------------------------------
+
+    def contains(self, key: OffloadKey) -> bool:
+        """Whether ``key`` has a fully written row (does not touch the LRU)."""
+        return self._index.lookup(key) is not None
+
+    def stored_range(self, key: OffloadKey) -> tuple[int, int] | None:
+        """Return the stored sub-block range ``(start, stop)`` of a visible key, or None."""
+        entry = self._index.lookup(key)
+        return None if entry is None else (entry.start, entry.stop)
+
+    def keys(self) -> list[OffloadKey]:
+        """Visible keys, groups in id order, least recently used first."""
+        return self._index.keys()
+
+    def discard(self, key: OffloadKey) -> None:
+        """Forget a key; its row becomes free (later, if a read still uses it).
+
+        Writes of the key in flight will not make it visible. The row's bytes
+        stay on disk until reused, so a restart may find the key again.
+        """
+        self._index.discard(key)
+
+    def stats(self) -> dict[str, int | float | bool | str]:
+        """Counters: bytes in bytes, times in seconds (summed over calls).
+
+        Keys: ``rows_resident``, ``bytes_used``, ``capacity_bytes``,
+        ``read_bytes``, ``read_seconds``, ``write_bytes``, ``write_seconds``,
+        ``read_requests``, ``write_requests``, ``failures_<kind>`` for every
+        kind in :data:`FAILURE_KINDS`, ``checksum_failures``, ``evictions``,
+        ``direct_io``, ``direct_io_fallback``, ``backend``,
+        ``invalid_rows_at_open``, ``invalid_segments_at_open``, ``segments``.
+        """
+        out: dict[str, int | float | bool | str] = {
+            k: (v if k.endswith("seconds") else int(v)) for k, v in self._counts.items()
+        }
+        out.update(
+            rows_resident=len(self._index),
+            bytes_used=self._index.bytes_used,
+            capacity_bytes=self._index.capacity_bytes,
+            checksum_failures=int(self._counts["failures_checksum"]),
+            evictions=self._index.evictions,
+            direct_io=bool(self._row_io is not None and self._row_io.direct),
+            backend=self._row_io.name if self._row_io is not None else "",
+            segments=len(self._segments),
+        )
+        return out
+
+    def _fail(self, kind: str) -> None:
+        self._counts[f"failures_{kind if kind in FAILURE_KINDS else 'other'}"] += 1
+
+    # -- argument checks --------------------------------------------------------
+
+    def _slot_view(self, key: Any, buf: Any) -> memoryview:
+        if not isinstance(key, OffloadKey):
+            raise InvalidArgumentError(f"expected an OffloadKey, got {type(key).__name__}")
+        row = self.row_nbytes(key.group_id)
+        view = memoryview(buf)
+        if not view.c_contiguous or view.readonly:
+            raise InvalidArgumentError(f"slot buffer of {key} must be writable and contiguous")
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        if view.nbytes < row:
+            raise InvalidArgumentError(f"slot buffer of {key} has {view.nbytes} bytes < {row}")
+        check_direct(buffer_address(view), row, 0)
+        return view[:row]
+
+    def _runs(self, jobs: list[Any], ref: Callable[[Any], RowRef]) -> list[list[Any]]:
+        runs: list[list[Any]] = []
+        for job in sorted(jobs, key=ref):
+            r = ref(job)
+            if runs:
+                p = ref(runs[-1][-1])
+                run = runs[-1]
+                if (p.group_id, p.segment, p.row + 1) == (r.group_id, r.segment, r.row) and len(
+                    run
+                ) < self._run_rows[r.group_id]:
+                    run.append(job)
+                    continue
+            runs.append([job])
+        return runs
+
+    # -- writes -----------------------------------------------------------------
+
+    async def write_rows(
+        self, rows: Sequence[tuple[OffloadKey, int, int, memoryview]]
+    ) -> list[BaseException | None]:
+        """Write rows; each key becomes visible once its whole row is written.
+
+        Each item is ``(key, start, stop, slot_buf)``: ``slot_buf`` is the
+        whole CPU slot (4 KiB-aligned address, writable, ``>= row_nbytes``
+        bytes) whose first ``group_nbytes`` bytes are the payload. The tier
+        writes the trailer into ``slot_buf[payload_region:row_nbytes]``.
+        Consecutive rows go out as one ``pwritev`` of at most ``request_nbytes``.
+
+        Returns:
+            Per row ``None`` or a :class:`StorageError` (kinds ``eio``,
+            ``enospc``, ``einval``, ``short_write``, ``capacity``, ...). A
+            failed row is freed; other rows are unaffected.
+
+        Raises:
+            InvalidArgumentError: bad key, range, buffer or a duplicate key
+                (subclasses; raised before any state changes).
+            AlignmentError: a slot buffer address is not 4 KiB aligned.
+            EngineClosedError: the tier is not open.
+
+        Cancellation: the I/O continues and the tier stays consistent; the slot
+        buffers stay in use until :meth:`flush`, :meth:`drain` or
+        :meth:`close` returns.
+
+        """
+        self._check_open()
+        jobs: list[WriteJob] = []
+        seen: set[OffloadKey] = set()
+        for pos, (key, start, stop, buf) in enumerate(rows):
+            view = self._slot_view(key, buf)
+            if not 0 <= start < stop <= self._blocks_per_chunk:
+                raise ChunkRangeError(f"{key}: sub-blocks {start}..{stop} outside a chunk")
+            if key in seen:
+                raise DuplicateKeyError(f"{key} appears twice in one write_rows call")
+            seen.add(key)
+            jobs.append(WriteJob(key, start, stop, view, pos))
+        task = self._spawn(self._write_batch(jobs))
+        self._write_tasks.add(task)
+        task.add_done_callback(self._write_tasks.discard)
+        return await asyncio.shield(task)
+
+    async def _write_batch(self, jobs: list[WriteJob]) -> list[BaseException | None]:
+        results: list[BaseException | None] = [None] * len(jobs)
+        protect = {j.key for j in jobs}
+        placed: list[WriteJob] = []
+        for job in jobs:
+            ref = await self._allocate(job.key.group_id, protect)
+            if isinstance(ref, StorageError):
+                results[job.pos] = ref
+                self._fail(ref.kind)
+                continue
+            job.ref, job.seq = ref, self._index.begin_write(job.key)
+            placed.append(job)
+        runs = self._runs(placed, lambda j: j.ref)
+        t0 = time.perf_counter()
+        outcomes = await asyncio.gather(
+            *(
+                self._run(
+                    _files.write_run,
+                    self._row_io,
+                    self._segments[(run[0].ref.group_id, run[0].ref.segment)].handle,
+                    self._specs[run[0].ref.group_id],
+                    run,
+                )
+                for run in runs
+            )
+        )
+        self._counts["write_seconds"] += time.perf_counter() - t0
+        self._counts["write_requests"] += len(runs)
+        for run, (n, exc, _) in zip(runs, outcomes, strict=True):
+            row = self._row_nbytes[run[0].ref.group_id]
+            if n > 0:
+                self._dirty.add((run[0].ref.group_id, run[0].ref.segment))
+                self._write_epoch += 1
+            for k, job in enumerate(run):
+                if exc is None and n >= (k + 1) * row:
+                    self._index.finish_write(job.key, job.ref, job.seq, job.start, job.stop)
+                    self._counts["write_bytes"] += row
+                    continue
+                err = (
+                    _as_storage_error(exc, f"write of {job.key} failed")
+                    if exc is not None
+                    else StorageError("short_write", f"short write of {job.key}: {n} bytes")
+                )
+                self._index.fail_write(job.key, job.ref, job.seq)
+                self._fail(err.kind)
+                results[job.pos] = err
+        return results
+
+    async def _allocate(self, group_id: int, protect: set[OffloadKey]) -> RowRef | StorageError:
+        failure: BaseException | None = None
+        lock = self._segment_locks.setdefault(group_id, asyncio.Lock())
+        while (ref := self._index.take_free(group_id)) is None and failure is None:
+            async with lock:
+                if self._index.free_rows(group_id):
+                    continue
+                plan = self._index.plan_segment(group_id)
+                if plan is None:
+                    break
+                number, num_rows = plan
+                spec = self._specs[group_id]
+                header = encode_header(
+                    SegmentHeader(
+                        self.digest,
+                        group_id,
+                        spec.row_nbytes,
+                        num_rows,
+                        _files.group_layout_json(self._layout, group_id),
+                    )
+                )
+                try:
+                    handle = await self._run(
+                        _files.create_segment,
+                        self._row_io,
+                        self.directory / f"g{group_id}",
+                        number,
+                        header,
+                        spec.row_offset(num_rows),
+                    )
+                except Exception as exc:
+                    self._index.abandon_segment(group_id, num_rows)
+                    failure = exc
+                    continue
+                self._segments[(group_id, number)] = _Segment(group_id, number, handle)
+                self._index.commit_segment(group_id, number, num_rows)
+        if ref is None:
+            ref = self._index.evict(group_id, protect)
+        if ref is not None:
+            return ref
+        if failure is not None:
+            return _as_storage_error(failure, f"cannot create a segment for group {group_id}")
+        return StorageError("capacity", f"no free or evictable row for group {group_id}")
+
+    # -- reads ------------------------------------------------------------------
+
+    async def read_rows(
+        self, rows: Sequence[tuple[OffloadKey, memoryview]]
+    ) -> list[tuple[int, int] | BaseException]:
+        """Read rows into slots and verify them (trailer, key, group, checksum).
+
+        Each item is ``(key, slot_buf)``; the row lands in
+        ``slot_buf[:row_nbytes]`` (4 KiB-aligned address, writable).
+        Consecutive rows are read with one ``preadv`` of at most ``request_nbytes``.
+
+        Returns:
+            Per row the stored range ``(start, stop)``, or a
+            :class:`StorageError` (kinds ``missing``, ``short_read``,
+            ``trailer``, ``checksum``, ``eio``, ...). A failed key is dropped
+            (MISS from then on) and counted; on failure the slot holds garbage.
+
+        Raises:
+            InvalidArgumentError: bad key or buffer (before any state change).
+            AlignmentError: a slot buffer address is not 4 KiB aligned.
+            EngineClosedError: the tier is not open.
+
+        Cancellation: the reads continue; the rows stay pinned and the slot
+        buffers in use until :meth:`drain` or :meth:`close` returns.
+
+        """
+        self._check_open()
+        views = [self._slot_view(key, buf) for key, buf in rows]
+        results: list[tuple[int, int] | BaseException] = [(0, 0)] * len(views)
+        jobs: list[ReadJob] = []
+        for pos, ((key, _), view) in enumerate(zip(rows, views, strict=True)):
+            entry = self._index.pin(key)
+            if entry is None:
+                results[pos] = StorageError("missing", f"{key} is not on NVMe")
+                self._fail("missing")
+            else:
+                jobs.append(ReadJob(key, view, entry, pos))
+        if jobs:
+            await asyncio.shield(self._spawn(self._read_batch(jobs, results)))
+        return results
+
+    async def _read_batch(
+        self, jobs: list[ReadJob], results: list[tuple[int, int] | BaseException]
+    ) -> None:
+        runs = self._runs(jobs, lambda j: j.entry.ref)
+        t0 = time.perf_counter()
+        try:
+            outcomes = await asyncio.gather(
+                *(
+                    self._run(
+                        _files.read_run,
+                        self._row_io,
+                        self._segments[
+                            (run[0].entry.ref.group_id, run[0].entry.ref.segment)
+                        ].handle,
+                        self._specs[run[0].entry.ref.group_id],
+                        run,
+                    )
+                    for run in runs
+                )
+            )
+        finally:
+            for job in jobs:
+                self._index.unpin(job.entry.ref)
+        self._counts["read_seconds"] += time.perf_counter() - t0
+        self._counts["read_requests"] += len(runs)
+        for run, (errors, _) in zip(runs, outcomes, strict=True):
+            for job, err in zip(run, errors, strict=True):
+                if err is None:
+                    self._index.touch(job.key)
+                    self._counts["read_bytes"] += job.buf.nbytes
+                    results[job.pos] = (job.entry.start, job.entry.stop)
+                else:
+                    self._index.drop(job.key, job.entry.ref)
+                    self._fail(err.kind)
+                    results[job.pos] = err
+
+    # -- durability -------------------------------------------------------------
+
+    async def flush(self) -> None:
+        """Return when every write accepted before the call is durable.
+
+        Waits for those writes, then ``fdatasync``s each segment written since
+        the last sync, in parallel; concurrent callers share one sync.
+
+        Raises:
+            StorageError: an ``fdatasync`` failed (the segments stay dirty).
+            EngineClosedError: the tier is not open.
+
+        """
+        self._check_open()
+        pending = [t for t in self._write_tasks if not t.done()]
+        if pending:
+            await asyncio.wait(pending)
+        target = self._write_epoch
+        while self._synced_epoch < target:
+            if self._sync_task is None:
+                self._sync_task = self._spawn(self._sync_once())
+            await asyncio.shield(self._sync_task)
+
+    async def _sync_once(self) -> None:
+        try:
+            epoch, dirty = self._write_epoch, self._dirty
+            self._dirty = set()
+            row_io = self._row_io
+            assert row_io is not None
+            outcomes = await asyncio.gather(
+                *(self._run(row_io.fdatasync, self._segments[s].handle) for s in dirty),
+                return_exceptions=True,
+            )
+            errors = [e for e in outcomes if isinstance(e, BaseException)]
+            if errors:
+                self._dirty |= dirty
+                raise _as_storage_error(errors[0], "fdatasync of a segment failed")
+            self._synced_epoch = max(self._synced_epoch, epoch)
+        finally:
+            self._sync_task = None
+
+    async def drain(self) -> None:
+        """Wait until no read, write or sync of this tier is in flight.
+
+        After it returns, no slot buffer passed to a (possibly cancelled)
+        :meth:`write_rows` or :meth:`read_rows` call is used by the tier.
+        """
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))
