@@ -325,8 +325,9 @@ class TransferEngine:
         Keys that find no free or evictable slot are rejected (never waits for
         room). Eviction never picks a key of the same call.
 
-        Cancellation: the copy already submitted still completes; the call's
-        slots are then freed (the keys are not kept), never while in use.
+        Cancellation: the copy already submitted still completes; if the caller
+        was cancelled before that, the call's slots are then freed (the keys are
+        not kept), never while the copy uses them.
 
         Args:
             chunks: one :class:`Chunk` per key, ``block_ids`` in

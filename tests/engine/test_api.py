@@ -1,0 +1,280 @@
+"""Public API: exports, typed errors for bad input (state unchanged), lifecycle, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import kvtier
+from kvtier import errors
+from tests.engine.helpers import fill_random, key, same
+
+
+def test_all_is_sorted_and_complete() -> None:
+    assert kvtier.__all__ == sorted(kvtier.__all__)
+    for name in kvtier.__all__:
+        assert hasattr(kvtier, name)
+    design = {
+        "KVLayout",
+        "OffloadKey",
+        "Chunk",
+        "Residency",
+        "EngineConfig",
+        "NVMeConfig",
+        "TransferEngine",
+        "BackgroundEngine",
+        "StoreResult",
+        "LoadResult",
+        "EngineStats",
+        "KVTierError",
+        "EngineClosedError",
+    }
+    assert design <= set(kvtier.__all__)
+
+
+def _layout(nb: int = 16) -> tuple[kvtier.KVLayout, torch.Tensor, torch.Tensor]:
+    a = torch.empty((nb, 2, 256), dtype=torch.float16)
+    b = torch.empty((nb, 512), dtype=torch.uint8)
+    fill_random(a, 1)
+    fill_random(b, 2)
+    return kvtier.KVLayout.from_tensors({0: {"a": a}, 1: {"b": b}}), a, b
+
+
+BAD_STORE = {
+    "unknown group": lambda: [kvtier.Chunk(key(1, 7), [0])],
+    "block out of range": lambda: [kvtier.Chunk(key(1, 0), [16])],
+    "negative block": lambda: [kvtier.Chunk(key(1, 0), [-1])],
+    "offset+len > bpc": lambda: [kvtier.Chunk(key(1, 0), [0, 1, 2], offset=2)],
+    "duplicate keys": lambda: [kvtier.Chunk(key(1, 0), [0]), kvtier.Chunk(key(1, 0), [1])],
+    "not a chunk": lambda: [key(1, 0)],
+    "a single chunk, not a list": lambda: kvtier.Chunk(key(1, 0), [0]),
+    "one bad chunk after good ones": lambda: [
+        kvtier.Chunk(key(2, 0), [0]),
+        kvtier.Chunk(key(3, 1), [99]),
+    ],
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_STORE))
+async def test_bad_store_raises_typed_error_and_changes_nothing(case: str) -> None:
+    layout, a, _ = _layout()
+    async with kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 4)) as engine:
+        good = kvtier.Chunk(key("kept", 0), [4, 5])
+        await engine.store([good])
+        before = engine.stats()
+        with pytest.raises(errors.InvalidArgumentError) as info:
+            await engine.store(BAD_STORE[case]())
+        assert isinstance(info.value, ValueError) and isinstance(info.value, kvtier.KVTierError)
+        after = engine.stats()
+        assert after == before
+        snapshot = a[4:6].clone()
+        a[4:6] = 0
+        assert (await engine.load([good])).loaded == (good.key,)
+        assert same(a[4:6], snapshot)
+
+
+BAD_LOAD = {
+    "same GPU block twice": lambda: [kvtier.Chunk(key("kept", 0), [1, 1])],
+    "same GPU block in two chunks": lambda: [
+        kvtier.Chunk(key("kept", 0), [1, 2]),
+        kvtier.Chunk(key("x", 0), [2]),
+    ],
+    "sub-blocks never stored": lambda: [kvtier.Chunk(key("kept", 0), [1, 2, 3])],
+    "offset outside stored": lambda: [kvtier.Chunk(key("kept", 0), [1], offset=3)],
+    "unknown group": lambda: [kvtier.Chunk(key("kept", 9), [1])],
+    "block out of range": lambda: [kvtier.Chunk(key("kept", 0), [100, 101])],
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_LOAD))
+async def test_bad_load_raises_typed_error_and_changes_nothing(case: str) -> None:
+    layout, a, _ = _layout()
+    async with kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 4)) as engine:
+        await engine.store([kvtier.Chunk(key("kept", 0), [4, 5])])
+        before = engine.stats()
+        a_before = a.clone()
+        with pytest.raises(errors.InvalidArgumentError):
+            await engine.load(BAD_LOAD[case]())
+        assert engine.stats() == before
+        assert same(a, a_before)
+
+
+@pytest.mark.parametrize(
+    ("make", "error"),
+    [
+        (lambda: kvtier.OffloadKey(b"", 0), errors.InvalidArgumentError),
+        (lambda: kvtier.OffloadKey("str", 0), errors.InvalidArgumentError),
+        (lambda: kvtier.OffloadKey(b"x", -1), errors.InvalidArgumentError),
+        (lambda: kvtier.Chunk(kvtier.OffloadKey(b"x", 0), []), errors.ChunkRangeError),
+        (lambda: kvtier.Chunk(kvtier.OffloadKey(b"x", 0), [1], offset=-1), errors.ChunkRangeError),
+        (lambda: kvtier.EngineConfig(cpu_bytes=0), errors.BudgetError),
+        (lambda: kvtier.EngineConfig(cpu_bytes=-5), errors.BudgetError),
+        (lambda: kvtier.EngineConfig(cpu_bytes=1 << 20, blocks_per_chunk=0), errors.ConfigError),
+        (lambda: kvtier.EngineConfig(cpu_bytes=1 << 20, eviction="fifo"), errors.ConfigError),
+        (lambda: kvtier.NVMeConfig(root="/tmp", capacity_bytes=0), errors.ConfigError),
+        (
+            lambda: kvtier.NVMeConfig(root="/tmp", capacity_bytes=1, direct_io="maybe"),
+            errors.ConfigError,
+        ),
+        (
+            lambda: kvtier.NVMeConfig(root="/tmp", capacity_bytes=1, io_backend="gds"),
+            errors.ConfigError,
+        ),
+        (lambda: kvtier.KVLayout.from_tensors({}), errors.LayoutError),
+        (lambda: kvtier.KVLayout.from_tensors({0: {}}), errors.LayoutError),
+        (lambda: kvtier.KVLayout.from_tensors({0: {"a": [1, 2]}}), errors.LayoutError),
+        (
+            lambda: kvtier.KVLayout.from_tensors({0: {"a": torch.zeros(4, 8, device="meta")}}),
+            errors.LayoutError,
+        ),
+        (
+            lambda: kvtier.KVLayout.from_tensors({0: {"a": torch.zeros(4, 8)}}, block_dim=2),
+            errors.LayoutError,
+        ),
+        (
+            lambda: kvtier.KVLayout.from_tensors(
+                {0: {"a": torch.zeros(4, 8), "b": torch.zeros(5, 8)}}
+            ),
+            errors.LayoutError,
+        ),
+        (
+            lambda: kvtier.KVLayout.from_tensors(
+                {0: {"a": torch.zeros(4, 8)}}, payload_nbytes={"a": 33}
+            ),
+            errors.LayoutError,
+        ),
+        (
+            lambda: kvtier.KVLayout.from_tensors(
+                {0: {"a": torch.zeros(4, 8)}}, payload_nbytes={"a": 0}
+            ),
+            errors.LayoutError,
+        ),
+        (
+            lambda: kvtier.KVLayout.from_tensors(
+                {0: {"a": torch.zeros(4, 8)}}, payload_nbytes={"zz": 4}
+            ),
+            errors.LayoutError,
+        ),
+        (
+            lambda: kvtier.KVLayout.from_tensors({0: {"a": torch.zeros(4, 8)}}, tokens_per_block=0),
+            errors.LayoutError,
+        ),
+        (lambda: kvtier.KVLayout.from_tensors({-1: {"a": torch.zeros(4, 8)}}), errors.LayoutError),
+        (
+            lambda: kvtier.KVLayout.from_tensors({0: {"a": torch.zeros(4, 8).t()}}, block_dim=1),
+            errors.LayoutError,
+        ),
+        (lambda: _overlapping(), errors.LayoutError),
+        (lambda: kvtier.KVLayout.from_tensors({0: {"a": torch.zeros(0, 8)}}), errors.LayoutError),
+    ],
+)
+def test_bad_construction_raises_typed_value_error(make, error) -> None:
+    with pytest.raises(error) as info:
+        make()
+    assert isinstance(info.value, ValueError)
+
+
+def _overlapping() -> kvtier.KVLayout:
+    base = torch.zeros(8, 64)
+    return kvtier.KVLayout.from_tensors({0: {"a": base[:, :40], "b": base[:, 32:]}})
+
+
+def test_budget_smaller_than_one_slot() -> None:
+    layout, _, _ = _layout()
+    with pytest.raises(errors.BudgetError):
+        kvtier.TransferEngine(layout, kvtier.EngineConfig(layout.slot_nbytes(4) - 1, 4))
+
+
+async def test_calls_after_close_raise() -> None:
+    layout, _, _ = _layout()
+    engine = kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 4))
+    with pytest.raises(kvtier.EngineClosedError):
+        engine.lookup([key(1, 0)])
+    await engine.start()
+    await engine.aclose()
+    await engine.aclose()  # idempotent
+    with pytest.raises(kvtier.EngineClosedError):
+        await engine.store([kvtier.Chunk(key(1, 0), [0])])
+    with pytest.raises(kvtier.EngineClosedError):
+        await engine.load([kvtier.Chunk(key(1, 0), [0])])
+    with pytest.raises(kvtier.EngineClosedError):
+        await engine.flush()
+    with pytest.raises(kvtier.EngineClosedError):
+        await engine.start()
+
+
+async def test_full_pool_with_every_slot_pinned_rejects_without_blocking() -> None:
+    layout, _, _ = _layout()
+    config = kvtier.EngineConfig(2 * layout.slot_nbytes(1), 1)
+    async with kvtier.TransferEngine(layout, config) as engine:
+        await engine.store([kvtier.Chunk(key(i, 0), [i]) for i in range(2)])
+        for i in range(2):
+            engine._pool.pin(key(i, 0))
+        res = await asyncio.wait_for(engine.store([kvtier.Chunk(key(9, 1), [3])]), 5)
+        assert res.rejected == (key(9, 1),)
+        for i in range(2):
+            engine._pool.unpin(key(i, 0))
+        res = await engine.store([kvtier.Chunk(key(9, 1), [3])])
+        assert res.stored == (key(9, 1),)
+
+
+async def test_cancelled_store_and_load_leave_no_pins() -> None:
+    t = torch.empty((64, 1 << 16), dtype=torch.uint8)
+    fill_random(t, 3)
+    layout = kvtier.KVLayout.from_tensors({0: {"a": t}})
+    async with kvtier.TransferEngine(layout, kvtier.EngineConfig(64 << 20, 4)) as engine:
+        for round_ in range(6):
+            chunks = [
+                kvtier.Chunk(key(f"{round_}-{i}", 0), list(range(4 * i, 4 * i + 4)))
+                for i in range(8)
+            ]
+            task = asyncio.ensure_future(engine.store(chunks))
+            for _ in range(round_):
+                await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            load = asyncio.ensure_future(engine.load(chunks))
+            for _ in range(round_):
+                await asyncio.sleep(0)
+            load.cancel()
+            await asyncio.gather(load, return_exceptions=True)
+        # let in-flight jobs finish
+        for _ in range(50):
+            stats = engine.stats()
+            if stats.slots_pinned == 0 and stats.slots_writing == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert stats.slots_pinned == 0
+        assert stats.slots_writing == 0
+        # a cancelled store keeps its keys only if its copy had completed: they load bitwise
+        resident = [
+            c
+            for c, r in zip(chunks, engine.lookup(c.key for c in chunks), strict=True)
+            if r is kvtier.Residency.CPU
+        ]
+        before = t.clone()
+        t.zero_()
+        out = await engine.load(resident)
+        assert not out.failed
+        ids = [b for c in resident for b in c.block_ids]
+        assert same(t[ids], before[ids])
+
+
+def test_background_engine_from_sync_code() -> None:
+    layout, a, _ = _layout()
+    before = a.clone()
+    with kvtier.BackgroundEngine(layout, kvtier.EngineConfig(1 << 20, 4)) as engine:
+        fut = engine.store([kvtier.Chunk(key("bg", 0), [0, 1, 2, 3])])
+        assert fut.result(timeout=10).stored == (key("bg", 0),)
+        assert engine.lookup([key("bg", 0)]) == [kvtier.Residency.CPU]
+        assert engine.prefix_hits([key("bg", 0), key("no", 0)]) == 1
+        a.zero_()
+        assert engine.load([kvtier.Chunk(key("bg", 0), [0, 1, 2, 3])]).result(timeout=10).loaded
+        engine.flush().result(timeout=10)
+        assert engine.stats().hits == 1
+    assert same(a[:4], before[:4])
+    with pytest.raises(kvtier.EngineClosedError):
+        engine.store([kvtier.Chunk(key("bg", 0), [0])])

@@ -1,0 +1,85 @@
+"""Eviction order of the LRU and ARC policies, through the engine and the pure pool."""
+
+from __future__ import annotations
+
+import torch
+
+import kvtier
+from kvtier._policy import ARCPolicy, LRUPolicy
+from kvtier._slots import SlotPool
+from tests.engine.helpers import key
+
+
+def _engine(nslots: int, eviction: str) -> tuple[kvtier.KVLayout, kvtier.EngineConfig]:
+    t = torch.zeros((64, 1024), dtype=torch.uint8)
+    layout = kvtier.KVLayout.from_tensors({0: {"a": t}})
+    return layout, kvtier.EngineConfig(nslots * layout.slot_nbytes(1), 1, eviction=eviction)
+
+
+async def test_lru_victim_order_through_engine() -> None:
+    layout, config = _engine(3, "lru")
+    async with kvtier.TransferEngine(layout, config) as engine:
+        for i in range(3):
+            await engine.store([kvtier.Chunk(key(i, 0), [i])])
+        await engine.load([kvtier.Chunk(key(0, 0), [10])])  # 0 becomes most recent
+        await engine.store([kvtier.Chunk(key(3, 0), [3])])  # evicts 1 (LRU)
+        res = engine.lookup([key(i, 0) for i in range(4)])
+        assert res == [
+            kvtier.Residency.CPU,
+            kvtier.Residency.MISS,
+            kvtier.Residency.CPU,
+            kvtier.Residency.CPU,
+        ]
+        await engine.store([kvtier.Chunk(key(4, 0), [4])])  # evicts 2
+        assert engine.lookup([key(2, 0)]) == [kvtier.Residency.MISS]
+
+
+async def test_arc_keeps_frequent_keys_under_a_scan() -> None:
+    layout, config = _engine(4, "arc")
+    async with kvtier.TransferEngine(layout, config) as engine:
+        hot = [key(f"hot{i}", 0) for i in range(2)]
+        await engine.store([kvtier.Chunk(k, [i]) for i, k in enumerate(hot)])
+        await engine.load([kvtier.Chunk(k, [10 + i]) for i, k in enumerate(hot)])  # hot -> T2
+        for i in range(6):  # a one-time scan
+            await engine.store([kvtier.Chunk(key(f"scan{i}", 0), [20 + i])])
+        assert engine.lookup(hot) == [kvtier.Residency.CPU] * 2
+    # LRU under the same sequence loses the hot keys
+    layout, config = _engine(4, "lru")
+    async with kvtier.TransferEngine(layout, config) as engine:
+        await engine.store([kvtier.Chunk(k, [i]) for i, k in enumerate(hot)])
+        await engine.load([kvtier.Chunk(k, [10 + i]) for i, k in enumerate(hot)])
+        for i in range(6):
+            await engine.store([kvtier.Chunk(key(f"scan{i}", 0), [20 + i])])
+        assert engine.lookup(hot) == [kvtier.Residency.MISS] * 2
+
+
+def test_arc_ghost_hit_adapts_target() -> None:
+    arc = ARCPolicy(2)
+    for k in "ab":
+        arc.insert(k)
+    arc.remove("a", evicted=True)  # a -> B1
+    assert "a" in arc.b1
+    arc.insert("a")  # ghost hit in B1 grows p and goes to T2
+    assert arc.p >= 1
+    assert "a" in arc.t2
+
+
+def test_pool_never_evicts_keys_of_the_same_call_and_is_atomic() -> None:
+    pool = SlotPool(2, LRUPolicy())
+    k = [key(i, 0) for i in range(4)]
+    entries, rejected, evicted = pool.reserve([(k[0], 0, 1, 8), (k[1], 0, 1, 8)], protect=set())
+    assert len(entries) == 2 and not rejected and not evicted
+    for e in entries:
+        pool.commit(e.key)
+    pool.pin(k[0])
+    # k[1] is protected (same call), k[0] pinned: nothing evictable, both rejected, nothing changed
+    entries, rejected, evicted = pool.reserve(
+        [(k[2], 0, 1, 8), (k[3], 0, 1, 8)], protect={k[1], k[2], k[3]}
+    )
+    assert not entries and rejected == [k[2], k[3]] and not evicted
+    assert pool.get(k[0]) is not None and pool.get(k[1]) is not None
+    pool.unpin(k[0])
+    entries, rejected, evicted = pool.reserve(
+        [(k[2], 0, 1, 8), (k[3], 0, 1, 8)], protect={k[2], k[3]}
+    )
+    assert evicted == [k[0], k[1]] and len(entries) == 2
