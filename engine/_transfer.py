@@ -87,8 +87,12 @@ def _slot_piece(copy: ChunkCopy, li: int, pi: int) -> torch.Tensor:
     cols = region.view(n, p)[:, piece.page_start : piece.page_start + piece.nbytes]
     if piece.itemsize != 1:
         cols = cols.view(piece.view.dtype)
-    return cols.view(n, *shape) if cols.is_contiguous() else cols.as_strided(
-        (n, *shape), (cols.stride(0), *piece_contiguous_strides(shape)), cols.storage_offset()
+    return (
+        cols.view(n, *shape)
+        if cols.is_contiguous()
+        else cols.as_strided(
+            (n, *shape), (cols.stride(0), *piece_contiguous_strides(shape)), cols.storage_offset()
+        )
     )
 
 

@@ -66,7 +66,8 @@ async def test_bad_store_raises_typed_error_and_changes_nothing(case: str) -> No
         before = engine.stats()
         with pytest.raises(errors.InvalidArgumentError) as info:
             await engine.store(BAD_STORE[case]())
-        assert isinstance(info.value, ValueError) and isinstance(info.value, kvtier.KVTierError)
+        assert isinstance(info.value, ValueError)
+        assert isinstance(info.value, kvtier.KVTierError)
         after = engine.stats()
         assert after == before
         snapshot = a[4:6].clone()

@@ -68,7 +68,9 @@ def test_pool_never_evicts_keys_of_the_same_call_and_is_atomic() -> None:
     pool = SlotPool(2, LRUPolicy())
     k = [key(i, 0) for i in range(4)]
     entries, rejected, evicted = pool.reserve([(k[0], 0, 1, 8), (k[1], 0, 1, 8)], protect=set())
-    assert len(entries) == 2 and not rejected and not evicted
+    assert len(entries) == 2
+    assert not rejected
+    assert not evicted
     for e in entries:
         pool.commit(e.key)
     pool.pin(k[0])
@@ -76,10 +78,14 @@ def test_pool_never_evicts_keys_of_the_same_call_and_is_atomic() -> None:
     entries, rejected, evicted = pool.reserve(
         [(k[2], 0, 1, 8), (k[3], 0, 1, 8)], protect={k[1], k[2], k[3]}
     )
-    assert not entries and rejected == [k[2], k[3]] and not evicted
-    assert pool.get(k[0]) is not None and pool.get(k[1]) is not None
+    assert not entries
+    assert rejected == [k[2], k[3]]
+    assert not evicted
+    assert pool.get(k[0]) is not None
+    assert pool.get(k[1]) is not None
     pool.unpin(k[0])
     entries, rejected, evicted = pool.reserve(
         [(k[2], 0, 1, 8), (k[3], 0, 1, 8)], protect={k[2], k[3]}
     )
-    assert evicted == [k[0], k[1]] and len(entries) == 2
+    assert evicted == [k[0], k[1]]
+    assert len(entries) == 2

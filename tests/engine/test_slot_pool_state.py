@@ -29,7 +29,9 @@ class PoolMachine(RuleBasedStateMachine):
         )
         assert len(entries) + len(rejected) == len(new)
         for v in evicted:
-            assert v in self.resident and not self.pins.get(v) and v not in ks
+            assert v in self.resident
+            assert not self.pins.get(v)
+            assert v not in ks
             self.resident.discard(v)
         self.writing |= {e.key for e in entries}
 
