@@ -273,8 +273,19 @@ def gemma3_270m_checkpoint(cache_dir: str | os.PathLike[str] | None = None) -> P
         str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
     )
     # Save next to the target and rename, so a crash never leaves a half checkpoint.
+    # transformers marks a GGUF-loaded model as quantized and refuses
+    # ``save_pretrained``; the weights are plain float32 tensors by now, so save
+    # the config without its GGUF quantization entry and the weights with
+    # safetensors (``save_model`` handles the tied embedding).
+    from safetensors.torch import save_model
+
     tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-    model.save_pretrained(tmp)
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config
+    config.save_pretrained(tmp)
+    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     if target.exists():
         shutil.rmtree(target)
     tmp.rename(target)

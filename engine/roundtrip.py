@@ -131,6 +131,7 @@ class RoundtripReport:
         load_stats: ``engine.stats()`` of the reopened engine after the load.
         failed: load failures ``{key repr: error repr}``.
         missing: keys the reopened engine did not find (a MISS), not loaded.
+        nvme_write_failures: rows the storing engine failed to write to NVMe.
         skipped_group: a group deliberately not loaded (negative control), or None.
         tokens_equal: resumed token ids equal the reference's.
         logits_equal: every resumed logits tensor ``torch.equal`` to the reference's.
@@ -157,6 +158,7 @@ class RoundtripReport:
     load_stats: Any
     failed: dict[str, str]
     missing: int
+    nvme_write_failures: int
     skipped_group: int | None
     tokens_equal: bool
     logits_equal: bool
@@ -168,7 +170,12 @@ class RoundtripReport:
     def ok(self) -> bool:
         """True when everything loaded and tokens and logits are bitwise equal."""
         return (
-            self.tokens_equal and self.logits_equal and not self.failed and self.missing == 0
+            self.tokens_equal
+            and self.logits_equal
+            and not self.failed
+            and self.missing == 0
+            and self.nvme_write_failures == 0
+            and self.skipped_group is None
         )
 
     def format(self) -> str:
@@ -191,7 +198,8 @@ class RoundtripReport:
             f"{self.sum_slot_nbytes} B (sum of groups); cpu budget {self.cpu_bytes} B holds "
             f"{self.keys_fit_largest} keys (largest) vs {self.keys_fit_sum} keys (sum)",
             f"store: {st.store_bytes} B copied, slot waste {st.slot_waste_nbytes} B, "
-            f"evictions {st.evictions}, rejected {st.rejected}",
+            f"evictions {st.evictions}, rejected {st.rejected}, "
+            f"NVMe write failures {self.nvme_write_failures}",
             f"load: {self.load_stats.load_bytes} B, failures {len(self.failed)}, "
             f"missing {self.missing}"
             + (f", group {self.skipped_group} skipped" if self.skipped_group is not None else ""),
@@ -232,7 +240,9 @@ def flip_payload_bit(root: str | os.PathLike[str]) -> Path:
     return files[0]
 
 
-def _greedy(model: Any, cache: Any, suffix: torch.Tensor, steps: int) -> tuple[list[int], list[torch.Tensor]]:
+def _greedy(
+    model: Any, cache: Any, suffix: torch.Tensor, steps: int
+) -> tuple[list[int], list[torch.Tensor]]:
     """Prefill ``suffix`` on ``cache`` then greedy-decode ``steps`` tokens."""
     logits = model(input_ids=suffix, cache=cache, use_cache=True).logits
     all_logits, tokens = [logits], []
@@ -313,7 +323,9 @@ async def aroundtrip(
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     if prompt_tokens <= block_tokens:
-        raise ValueError(f"prompt_tokens ({prompt_tokens}) must exceed block_tokens ({block_tokens})")
+        raise ValueError(
+            f"prompt_tokens ({prompt_tokens}) must exceed block_tokens ({block_tokens})"
+        )
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
 
@@ -339,13 +351,18 @@ async def aroundtrip(
     # Reference: prefill [0, A), page the cache out, continue [A, P) and decode.
     num_blocks = resume // block_tokens + 1
     kv = hf_kv_groups(config, num_blocks, block_tokens, torch_dtype)
-    store_ids = {g: random.Random(seed + 1 + g).sample(range(num_blocks), num_blocks) for g in kv.groups}
-    load_ids = {g: random.Random(seed + 1001 + g).sample(range(num_blocks), num_blocks) for g in kv.groups}
+    store_ids = {
+        g: random.Random(seed + 1 + g).sample(range(num_blocks), num_blocks) for g in kv.groups
+    }
+    load_ids = {
+        g: random.Random(seed + 1001 + g).sample(range(num_blocks), num_blocks) for g in kv.groups
+    }
     tables: dict[str, dict[int, list[int]]] = {"store": {}, "load": {}}
     for g in kv.groups:
         n = len(resident_blocks(kv.kinds[g], kv.window[g], resume, block_tokens))
         tables["store"][g] = store_ids[g][:n]
         tables["load"][g] = load_ids[g][:n]
+
     def reference() -> tuple[list[int], list[torch.Tensor]]:
         with torch.inference_mode():
             cache = DynamicCache(config=config)
@@ -402,8 +419,12 @@ async def aroundtrip(
             await engine.flush()
             lap("flush")
             store_stats = engine.stats()
+        nvme_stats = store_stats.nvme or {}
+        nvme_write_failures = int(nvme_stats.get("write_failures", 0))  # type: ignore[call-overload]
         if store_stats.evictions:
-            raise RuntimeError(f"{store_stats.evictions} evictions with a budget of exactly {num_keys} keys")
+            raise RuntimeError(
+                f"{store_stats.evictions} evictions with a budget of exactly {num_keys} keys"
+            )
         for tensors in kv.groups.values():
             for tensor in tensors.values():
                 tensor.zero_()
@@ -413,14 +434,10 @@ async def aroundtrip(
 
         async with kvtier.TransferEngine(layout, engine_config) as engine:
             hits = {g: engine.prefix_hits([c.key for c in chunks["load"][g]]) for g in kv.groups}
-            wanted = [
-                c
-                for g in kv.groups
-                if g != skip_group
-                for c in chunks["load"][g]
-            ]
+            wanted = [c for g in kv.groups if g != skip_group for c in chunks["load"][g]]
             present = [
-                c for c, r in zip(wanted, engine.lookup([c.key for c in wanted]), strict=True)
+                c
+                for c, r in zip(wanted, engine.lookup([c.key for c in wanted]), strict=True)
                 if r != kvtier.Residency.MISS
             ]
             loaded = await engine.load(present)
@@ -477,6 +494,7 @@ async def aroundtrip(
         load_stats=load_stats,
         failed={repr(k): repr(e) for k, e in loaded.failed.items()},
         missing=len(wanted) - len(present),
+        nvme_write_failures=nvme_write_failures,
         skipped_group=skip_group,
         tokens_equal=ref_tokens == res_tokens,
         logits_equal=logits_equal,
