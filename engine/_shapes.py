@@ -1,0 +1,131 @@
+"""Synthetic KV cache layouts shaped like real models, for benchmarks.
+
+Shapes follow the models' published configs (``config.json`` on the Hugging
+Face hub): Gemma-3-270M (18 layers: 15 sliding-window + 3 full attention,
+1 KV head of dim 256), Llama-3-8B (32 full attention layers, 8 KV heads of dim
+128), DeepSeek-V3 (61 MLA layers, latent 512 + rope 64), Qwen3-Next-80B-A3B (48
+layers: 36 gated-delta-net linear attention + 12 full attention with 2 KV heads
+of dim 256). Layers are grouped as vLLM's hybrid KV cache manager does: one
+group per attention type, split into groups of equal layer counts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtier.errors import InvalidArgumentError
+from kvtier.layout import KVLayout
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer: its attention type and the shape of ONE block (page) of it."""
+
+    kind: str
+    page_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model's KV cache shape: layers, dtype, tokens per block."""
+
+    name: str
+    layers: tuple[LayerSpec, ...]
+    dtype: torch.dtype
+    tokens_per_block: int
+
+    def groups(self) -> list[list[int]]:
+        """Layer indices per KV cache group (vLLM: equal layer counts per group)."""
+        by_kind: dict[str, list[int]] = {}
+        for i, layer in enumerate(self.layers):
+            by_kind.setdefault(layer.kind, []).append(i)
+        size = math.gcd(*(len(v) for v in by_kind.values())) if len(by_kind) > 1 else None
+        out: list[list[int]] = []
+        for idx in by_kind.values():
+            step = size or len(idx)
+            out.extend(idx[i : i + step] for i in range(0, len(idx), step))
+        return out
+
+    def block_nbytes(self) -> int:
+        """Bytes of one block summed over all layers."""
+        return sum(math.prod(lay.page_shape) for lay in self.layers) * self.dtype.itemsize
+
+    def build(self, num_blocks: int, device: str | torch.device = "cpu") -> KVLayout:
+        """Allocate ``(num_blocks, *page_shape)`` tensors per layer, filled with random bytes."""
+        gen = torch.Generator().manual_seed(0)
+        groups: dict[int, dict[str, torch.Tensor]] = {}
+        for g, idx in enumerate(self.groups()):
+            groups[g] = {}
+            for i in idx:
+                t = torch.empty((num_blocks, *self.layers[i].page_shape), dtype=self.dtype)
+                u8 = t.view(torch.uint8)
+                u8.copy_(torch.randint(0, 256, u8.shape, dtype=torch.uint8, generator=gen))
+                groups[g][f"model.layers.{i}"] = t.to(device)
+        return KVLayout.from_tensors(groups, tokens_per_block=self.tokens_per_block)
+
+
+def _attn(kind: str, tpb: int, heads: int, dim: int) -> LayerSpec:
+    return LayerSpec(kind, (2, tpb, heads, dim))
+
+
+def _gemma3_270m(tpb: int) -> ModelShape:
+    layers = [
+        _attn("full" if (i + 1) % 6 == 0 else "sliding", tpb, 1, 256) for i in range(18)
+    ]
+    return ModelShape("gemma-3-270m", tuple(layers), torch.bfloat16, tpb)
+
+
+def _llama3_8b(tpb: int) -> ModelShape:
+    return ModelShape("llama-3-8b", tuple(_attn("full", tpb, 8, 128) for _ in range(32)), torch.bfloat16, tpb)
+
+
+def _deepseek_v3(tpb: int) -> ModelShape:
+    return ModelShape("deepseek-v3", tuple(LayerSpec("mla", (tpb, 576)) for _ in range(61)), torch.bfloat16, tpb)
+
+
+def _qwen3_next(tpb: int) -> ModelShape:
+    # Gated DeltaNet: conv state (conv_dim=8192 x kernel 4) + recurrent state
+    # (16 value heads x 128 x 128, kept in bf16 here) per sequence snapshot.
+    linear = LayerSpec("linear", (8192 * 4 + 16 * 128 * 128,))
+    layers = [_attn("full", tpb, 2, 256) if (i + 1) % 4 == 0 else linear for i in range(48)]
+    return ModelShape("qwen3-next", tuple(layers), torch.bfloat16, tpb)
+
+
+SHAPES = {
+    "gemma-3-270m": _gemma3_270m,
+    "llama-3-8b": _llama3_8b,
+    "deepseek-v3": _deepseek_v3,
+    "qwen3-next": _qwen3_next,
+}
+
+
+def model_shape(name: str, tokens_per_block: int = 16) -> ModelShape:
+    """A named synthetic shape, or one read from a JSON file.
+
+    The JSON form is ``{"name": str, "dtype": "bfloat16", "tokens_per_block": int,
+    "layers": [{"kind": str, "page_shape": [int, ...]}, ...]}``.
+
+    Raises:
+        InvalidArgumentError: unknown name or malformed file.
+    """
+    if name in SHAPES:
+        return SHAPES[name](tokens_per_block)
+    if os.path.isfile(name):
+        try:
+            with open(name) as f:
+                spec: dict[str, Any] = json.load(f)
+            return ModelShape(
+                spec.get("name", os.path.basename(name)),
+                tuple(LayerSpec(lay["kind"], tuple(lay["page_shape"])) for lay in spec["layers"]),
+                getattr(torch, spec.get("dtype", "bfloat16")),
+                int(spec.get("tokens_per_block", tokens_per_block)),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise InvalidArgumentError(f"layout file {name}: {exc}") from exc
+    raise InvalidArgumentError(f"unknown layout {name!r}: one of {sorted(SHAPES)} or a JSON file")

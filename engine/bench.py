@@ -1,0 +1,507 @@
+"""``kvtier bench``: copy and NVMe throughput against baselines measured in the same run.
+
+Phases (each reported in GB/s with p50/p99 per-batch latency):
+
+* ``store``: device blocks -> CPU slots (``engine.store``) vs a plain torch
+  copy of the same number of bytes between two contiguous buffers.
+* ``load``: CPU slots -> device blocks (``engine.load``) vs the same plain copy.
+* ``nvme_write``: store -> write-through -> ``flush`` of every chunk vs (a) a
+  raw sequential write of one file with the same backend, request size,
+  thread count and direct-I/O mode (the disk's ceiling) and (b) one file per
+  chunk written to a temporary name and renamed (what most peers do).
+* ``nvme_read``: cold promotion (a new engine: empty CPU tier; page cache
+  dropped with ``posix_fadvise`` when I/O is buffered) loading every chunk vs
+  (a) a raw sequential read of one file and (b) reading each chunk file whole.
+* ``roundtrip``: after ``nvme_read`` every byte of every block is compared
+  with the original (bitwise); a mismatch fails the run.
+
+Baselines and kvtier alternate inside every repeat, on the same bytes, so a
+noisy neighbour hurts both sides alike; the reported ratio is kvtier/baseline
+of the median repeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+import kvtier
+from kvtier._shapes import ModelShape, model_shape
+from kvtier._slots import HostRegion
+from kvtier.layout import KVLayout, round_up
+
+
+@dataclass
+class BenchConfig:
+    """Options of ``kvtier bench`` (see the CLI for their meaning)."""
+
+    layout: str = "gemma-3-270m"
+    size_bytes: int = 1 << 30
+    blocks_per_chunk: int = 16
+    tokens_per_block: int = 16
+    batch_chunks: int = 32
+    io_threads: int = 4
+    direct_io: str = "auto"
+    io_backend: str = "auto"
+    request_nbytes: int = 4 << 20
+    repeat: int = 3
+    inflight_batches: int = 4
+    root: str | None = None
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    nvme: bool = True
+    seed: int = 0
+
+
+@dataclass
+class Phase:
+    """Figures of one phase: kvtier and its baselines (GB/s = 1e9 bytes/s)."""
+
+    name: str
+    nbytes: int
+    seconds: list[float] = field(default_factory=list)
+    batch_seconds: list[float] = field(default_factory=list)
+    baselines: dict[str, list[float]] = field(default_factory=dict)
+
+    def gbps(self, seconds: list[float]) -> float:
+        """Throughput of the median repeat."""
+        return self.nbytes / statistics.median(seconds) / 1e9 if seconds else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-able figures: GB/s, p50/p99 batch latency (ms), ratios to baselines."""
+        out: dict[str, Any] = {"bytes": self.nbytes, "gbps": round(self.gbps(self.seconds), 3)}
+        if self.batch_seconds:
+            lat = sorted(self.batch_seconds)
+            out["p50_ms"] = round(1e3 * lat[len(lat) // 2], 3)
+            out["p99_ms"] = round(1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3)
+        for name, secs in self.baselines.items():
+            base = self.gbps(secs)
+            out[f"{name}_gbps"] = round(base, 3)
+            out[f"ratio_vs_{name}"] = round(self.gbps(self.seconds) / base, 3) if base else None
+        return out
+
+
+class LagMonitor:
+    """Measures event-loop lag: how late a 1 ms sleep wakes up (seconds)."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(0.001)
+            self.samples.append(max(0.0, time.perf_counter() - t0 - 0.001))
+
+    @contextlib.asynccontextmanager
+    async def watch(self) -> AsyncIterator[None]:
+        """Sample lag while the block runs."""
+        self._task = asyncio.ensure_future(self._run())
+        try:
+            yield
+        finally:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def p99_ms(self) -> float:
+        """99th percentile lag in milliseconds."""
+        if not self.samples:
+            return 0.0
+        s = sorted(self.samples)
+        return 1e3 * s[min(len(s) - 1, int(0.99 * len(s)))]
+
+
+def _chunks(layout: KVLayout, shape: ModelShape, bpc: int, seed: int) -> list[kvtier.Chunk]:
+    """Every block of every group in chunks of ``bpc`` randomly placed blocks."""
+    rng = random.Random(seed)
+    out = []
+    for g in layout.group_ids:
+        ids = list(range(layout.group(g).num_blocks))
+        rng.shuffle(ids)
+        for c in range(0, len(ids) - bpc + 1, bpc):
+            digest = hashlib.blake2b(f"{shape.name}/{g}/{c}".encode(), digest_size=16).digest()
+            out.append(kvtier.Chunk(kvtier.OffloadKey(digest, g), ids[c : c + bpc]))
+    rng.shuffle(out)
+    return out
+
+
+def _batches(chunks: list[kvtier.Chunk], n: int) -> list[list[kvtier.Chunk]]:
+    return [chunks[i : i + n] for i in range(0, len(chunks), n)]
+
+
+def _snapshot(layout: KVLayout) -> list[torch.Tensor]:
+    return [p.view.clone() for g in layout.group_ids for lay in layout.group(g).layers for p in lay.pieces]
+
+
+def _scribble(layout: KVLayout) -> None:
+    for g in layout.group_ids:
+        for lay in layout.group(g).layers:
+            for p in lay.pieces:
+                p.view.fill_(0x5A)
+
+
+def _same(layout: KVLayout, snap: list[torch.Tensor]) -> bool:
+    views = [p.view for g in layout.group_ids for lay in layout.group(g).layers for p in lay.pieces]
+    return all(torch.equal(a, b) for a, b in zip(views, snap, strict=True))
+
+
+class _Baselines:
+    """Raw sequential file I/O and file-per-chunk I/O with the engine's backend options."""
+
+    def __init__(self, cfg: BenchConfig, root: str, total: int, row_nbytes: int, nrows: int) -> None:
+        from kvtier.io import select_backend
+
+        self.io = select_backend(cfg.io_backend, cfg.direct_io, root)
+        self.root = root
+        self.total = round_up(total)
+        self.row_nbytes = row_nbytes
+        self.nrows = nrows
+        self.req = cfg.request_nbytes
+        self.pool = concurrent.futures.ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="bench-io")
+        self.buf = HostRegion(max(self.req, row_nbytes) * cfg.io_threads, pin=False)
+        self.buf.prefault()
+        self.threads = cfg.io_threads
+
+    def _mv(self, worker: int, n: int) -> memoryview:
+        span = max(self.req, self.row_nbytes)
+        return self.buf.buffer(0, self.buf.nbytes)[worker * span : worker * span + n]
+
+    def _parallel(self, fn: Callable[[int, int], None], count: int) -> float:
+        t0 = time.perf_counter()
+        futs = [self.pool.submit(fn, i % self.threads, i) for i in range(count)]
+        for f in futs:
+            f.result()
+        return time.perf_counter() - t0
+
+    def raw_write(self) -> float:
+        path = os.path.join(self.root, "raw.bin")
+        h = self.io.open(path, True)
+        self.io.allocate(h, self.total)
+        nreq = -(-self.total // self.req)
+
+        def one(worker: int, i: int) -> None:
+            n = min(self.req, self.total - i * self.req)
+            assert self.io.pwritev(h, [self._mv(worker, n)], i * self.req) == n
+
+        t0 = time.perf_counter()
+        self._parallel(one, nreq)
+        self.io.fdatasync(h)
+        dt = time.perf_counter() - t0
+        self.io.close(h)
+        return dt
+
+    def raw_read(self) -> float:
+        path = os.path.join(self.root, "raw.bin")
+        _drop_cache(path, self.io.direct)
+        h = self.io.open(path, False)
+        nreq = -(-self.total // self.req)
+
+        def one(worker: int, i: int) -> None:
+            n = min(self.req, self.total - i * self.req)
+            assert self.io.preadv(h, [self._mv(worker, n)], i * self.req) == n
+
+        dt = self._parallel(one, nreq)
+        self.io.close(h)
+        return dt
+
+    def files_write(self) -> float:
+        d = os.path.join(self.root, "files")
+        shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(d)
+
+        def one(worker: int, i: int) -> None:
+            tmp = os.path.join(d, f"{i}.tmp")
+            h = self.io.open(tmp, True)
+            assert self.io.pwritev(h, [self._mv(worker, self.row_nbytes)], 0) == self.row_nbytes
+            self.io.fdatasync(h)
+            self.io.close(h)
+            os.rename(tmp, os.path.join(d, f"{i}.kv"))
+
+        return self._parallel(one, self.nrows)
+
+    def files_read(self) -> float:
+        d = os.path.join(self.root, "files")
+        for i in range(self.nrows):
+            _drop_cache(os.path.join(d, f"{i}.kv"), self.io.direct)
+
+        def one(worker: int, i: int) -> None:
+            h = self.io.open(os.path.join(d, f"{i}.kv"), False)
+            assert self.io.preadv(h, [self._mv(worker, self.row_nbytes)], 0) == self.row_nbytes
+            self.io.close(h)
+
+        return self._parallel(one, self.nrows)
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.buf.close()
+
+
+def _drop_cache(path: str, direct: bool) -> None:
+    """Evict a file from the page cache (no-op for O_DIRECT, which bypasses it)."""
+    if direct or not hasattr(os, "posix_fadvise"):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+async def _copy_phases(
+    cfg: BenchConfig, layout: KVLayout, chunks: list[kvtier.Chunk], report: dict[str, Phase]
+) -> None:
+    bpc = cfg.blocks_per_chunk
+    engine_cfg = kvtier.EngineConfig(len(chunks) * layout.slot_nbytes(bpc), bpc, max_batch_chunks=cfg.batch_chunks)
+    batches = _batches(chunks, cfg.batch_chunks)
+    payload = sum(len(c.block_ids) * layout.group(c.key.group_id).block_payload_nbytes for c in chunks)
+    biggest = max(sum(len(c.block_ids) * layout.group(c.key.group_id).block_payload_nbytes for c in b) for b in batches)
+    src = torch.empty(biggest, dtype=torch.uint8, device=cfg.device).fill_(1)
+    dst = HostRegion(round_up(biggest), pin=True)
+    dst.prefault()
+    store, load = report["store"], report["load"]
+    store.nbytes = load.nbytes = payload
+    for phase in (store, load):
+        phase.baselines["plain_copy"] = []
+    for _ in range(cfg.repeat):
+        async with kvtier.TransferEngine(layout, engine_cfg) as engine:
+            for direction, phase in (("store", store), ("load", load)):
+                total = base = 0.0
+                for batch in batches:
+                    n = sum(len(c.block_ids) * layout.group(c.key.group_id).block_payload_nbytes for c in batch)
+                    t0 = time.perf_counter()
+                    if direction == "store":
+                        res = await engine.store(batch)
+                        assert len(res.stored) == len(batch), "bench store rejected keys"
+                    else:
+                        out = await engine.load(batch)
+                        assert not out.failed, f"bench load failed: {next(iter(out.failed.values()))}"
+                    dt = time.perf_counter() - t0
+                    phase.batch_seconds.append(dt)
+                    total += dt
+                    t0 = time.perf_counter()
+                    if direction == "store":
+                        dst.tensor[:n].copy_(src[:n])
+                    else:
+                        src[:n].copy_(dst.tensor[:n])
+                    if src.is_cuda:
+                        torch.cuda.synchronize()
+                    base += time.perf_counter() - t0
+                phase.seconds.append(total)
+                phase.baselines["plain_copy"].append(base)
+    dst.close()
+
+
+async def _nvme_phases(
+    cfg: BenchConfig,
+    layout: KVLayout,
+    chunks: list[kvtier.Chunk],
+    report: dict[str, Phase],
+    lag: LagMonitor,
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
+    bpc = cfg.blocks_per_chunk
+    base_root = cfg.root or os.getcwd()
+    tmp = tempfile.mkdtemp(prefix="kvtier-bench-", dir=base_root)
+    info: dict[str, Any] = {"tmpdir": tmp}
+    try:
+        rows = {g: round_up(layout.group_nbytes(g, bpc)) + 4096 for g in layout.group_ids}
+        row_bytes = sum(rows[c.key.group_id] for c in chunks)
+        write, read = report["nvme_write"], report["nvme_read"]
+        write.nbytes = read.nbytes = row_bytes
+        baselines = _Baselines(cfg, tmp, row_bytes, max(rows.values()), len(chunks))
+        info["direct_io"] = baselines.io.direct
+        info["backend"] = type(baselines.io).__name__
+        for phase in (write, read):
+            phase.baselines = {"raw_sequential": [], "file_per_chunk": []}
+        snap = _snapshot(layout)
+        loop = asyncio.get_running_loop()
+        for r in range(cfg.repeat):
+            root = os.path.join(tmp, f"tier{r}")
+            nvme = kvtier.NVMeConfig(
+                root=root, capacity_bytes=2 * row_bytes + len(rows) * (256 << 20), namespace=f"bench{r}",
+                io_backend=cfg.io_backend, direct_io=cfg.direct_io, io_threads=cfg.io_threads,
+                request_nbytes=cfg.request_nbytes, segment_nbytes=256 << 20,
+            )
+            ecfg = kvtier.EngineConfig(
+                len(chunks) * layout.slot_nbytes(bpc), bpc, nvme=nvme, max_batch_chunks=cfg.batch_chunks
+            )
+            progress(f"repeat {r + 1}/{cfg.repeat}: raw sequential write")
+            write.baselines["raw_sequential"].append(await loop.run_in_executor(None, baselines.raw_write))
+            progress(f"repeat {r + 1}/{cfg.repeat}: kvtier write-through")
+            async with kvtier.TransferEngine(layout, ecfg) as engine, lag.watch():
+                t0 = time.perf_counter()
+                for batch in _batches(chunks, cfg.batch_chunks):
+                    res = await engine.store(batch)
+                    assert len(res.stored) == len(batch), "bench store rejected keys"
+                await engine.flush()
+                write.seconds.append(time.perf_counter() - t0)
+                failures = engine.stats().nvme or {}
+                assert failures.get("write_failures", 0) == 0, f"NVMe write failures: {failures}"
+            progress(f"repeat {r + 1}/{cfg.repeat}: file-per-chunk write")
+            write.baselines["file_per_chunk"].append(await loop.run_in_executor(None, baselines.files_write))
+
+            progress(f"repeat {r + 1}/{cfg.repeat}: raw sequential read")
+            read.baselines["raw_sequential"].append(await loop.run_in_executor(None, baselines.raw_read))
+            progress(f"repeat {r + 1}/{cfg.repeat}: kvtier cold promotion")
+            if not baselines.io.direct:
+                for dirpath, _, files in os.walk(root):
+                    for f in files:
+                        _drop_cache(os.path.join(dirpath, f), False)
+            _scribble(layout)
+            async with kvtier.TransferEngine(layout, ecfg) as engine, lag.watch():
+                assert engine.prefix_hits([c.key for c in chunks]) == len(chunks)
+                sem = asyncio.Semaphore(cfg.inflight_batches)
+
+                async def one(batch: list[kvtier.Chunk], engine: kvtier.TransferEngine = engine) -> None:
+                    async with sem:
+                        t1 = time.perf_counter()
+                        out = await engine.load(batch)
+                        read.batch_seconds.append(time.perf_counter() - t1)
+                        assert not out.failed, f"bench promotion failed: {next(iter(out.failed.values()))}"
+
+                t0 = time.perf_counter()
+                await asyncio.gather(*(one(b) for b in _batches(chunks, cfg.batch_chunks)))
+                read.seconds.append(time.perf_counter() - t0)
+            if not _same(layout, snap):
+                raise AssertionError("round trip store -> NVMe -> load changed bytes")
+            info["verified_repeats"] = r + 1
+            progress(f"repeat {r + 1}/{cfg.repeat}: file-per-chunk read")
+            read.baselines["file_per_chunk"].append(await loop.run_in_executor(None, baselines.files_read))
+            shutil.rmtree(root, ignore_errors=True)
+        baselines.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    info["tmpdir_removed"] = not os.path.exists(tmp)
+    return info
+
+
+async def run_bench(cfg: BenchConfig, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Run every phase and return the figures (JSON-able).
+
+    Args:
+        cfg: options; ``size_bytes`` is the KV cache size (bytes) moved per phase.
+        progress: called with a short description as phases start.
+
+    Returns:
+        ``{"config", "machine", "layout", "phases": {name: summary}, "loop_lag_p99_ms", ...}``.
+
+    Raises:
+        AssertionError: a round trip changed bytes or a phase failed keys.
+    """
+    shape = model_shape(cfg.layout, cfg.tokens_per_block)
+    num_blocks = max(cfg.blocks_per_chunk, cfg.size_bytes // shape.block_nbytes())
+    num_blocks -= num_blocks % cfg.blocks_per_chunk
+    progress(f"allocating {shape.name}: {num_blocks} blocks")
+    layout = shape.build(num_blocks, cfg.device)
+    chunks = _chunks(layout, shape, cfg.blocks_per_chunk, cfg.seed)
+    report = {name: Phase(name, 0) for name in ("store", "load", "nvme_write", "nvme_read")}
+    progress("copy phases")
+    await _copy_phases(cfg, layout, chunks, report)
+    lag = LagMonitor()
+    io_info: dict[str, Any] = {}
+    if cfg.nvme:
+        io_info = await _nvme_phases(cfg, layout, chunks, report, lag, progress)
+    else:
+        del report["nvme_write"], report["nvme_read"]
+    store = report["store"]
+    overhead_us = 1e6 * (statistics.median(store.seconds) - statistics.median(store.baselines["plain_copy"])) / len(chunks)
+    bpc = cfg.blocks_per_chunk
+    return {
+        "config": asdict(cfg),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "device": cfg.device,
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        },
+        "layout": {
+            "name": shape.name,
+            "groups": len(layout.group_ids),
+            "num_blocks": num_blocks,
+            "chunks": len(chunks),
+            "slot_nbytes": layout.slot_nbytes(bpc),
+            "sum_sized_slot_nbytes": round_up(sum(layout.group_nbytes(g, bpc) for g in layout.group_ids)) + 4096,
+        },
+        "io": io_info,
+        "phases": {name: p.summary() for name, p in report.items()},
+        "scheduling_overhead_us_per_chunk": round(overhead_us, 2),
+        "loop_lag_p99_ms": round(lag.p99_ms(), 3),
+    }
+
+
+def format_table(result: dict[str, Any]) -> Any:
+    """A rich Table of the phases."""
+    from rich.table import Table
+
+    table = Table(title=f"kvtier bench - {result['layout']['name']} ({result['machine']['device']})")
+    for col in ("phase", "GB/s", "p50 ms", "p99 ms", "baseline GB/s", "ratio"):
+        table.add_column(col, justify="right" if col != "phase" else "left")
+    for name, p in result["phases"].items():
+        bases = [k.removesuffix("_gbps") for k in p if k.endswith("_gbps") and k != "gbps"]
+        first = True
+        for b in bases or [None]:
+            table.add_row(
+                name if first else "",
+                f"{p['gbps']:.2f}" if first else "",
+                str(p.get("p50_ms", "")) if first else "",
+                str(p.get("p99_ms", "")) if first else "",
+                f"{b}: {p[f'{b}_gbps']:.2f}" if b else "",
+                f"{p[f'ratio_vs_{b}']:.2f}x" if b and p.get(f"ratio_vs_{b}") else "",
+            )
+            first = False
+    return table
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Write a PNG bar chart of GB/s per phase against the baselines (needs matplotlib).
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = result["phases"]
+    names = list(phases)
+    series: dict[str, list[float]] = {"kvtier": [phases[n]["gbps"] for n in names]}
+    for n in names:
+        for k, v in phases[n].items():
+            if k.endswith("_gbps") and k != "gbps":
+                series.setdefault(k.removesuffix("_gbps"), [0.0] * len(names))[names.index(n)] = v
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(series)
+    for i, (label, vals) in enumerate(series.items()):
+        ax.bar([x + i * width for x in range(len(names))], vals, width, label=label)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names)
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"kvtier bench: {result['layout']['name']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def to_json(result: dict[str, Any], path: str) -> None:
+    """Write the figures as JSON."""
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2, default=str)

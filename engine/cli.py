@@ -1,0 +1,137 @@
+"""The ``kvtier`` command line: ``bench``, ``roundtrip`` and ``inspect``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from typing import Any
+
+import click
+
+from kvtier.errors import KVTierError
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Parse ``"512M"``, ``"2GiB"``, ``"4096"`` into bytes (binary units).
+
+    Raises:
+        click.BadParameter: not a size.
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size like 512M or 2G")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def _run(coro: Any) -> Any:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        import asyncio
+
+        return asyncio.run(coro)
+
+
+@click.group()
+@click.version_option(package_name="kvtier")
+def main() -> None:
+    """kvtier: move LLM KV cache chunks between GPU, pinned CPU slots and NVMe."""
+
+
+@main.command()
+@click.option("--layout", default="gemma-3-270m", show_default=True,
+              help="gemma-3-270m, llama-3-8b, deepseek-v3, qwen3-next, or a JSON file.")
+@click.option("--size", "size", default="1G", show_default=True, help="KV cache bytes moved per phase.")
+@click.option("--blocks-per-chunk", default=16, show_default=True, type=click.IntRange(1))
+@click.option("--tokens-per-block", default=16, show_default=True, type=click.IntRange(1))
+@click.option("--batch-chunks", default=32, show_default=True, type=click.IntRange(1))
+@click.option("--io-threads", default=4, show_default=True, type=click.IntRange(1))
+@click.option("--io-backend", default="auto", show_default=True, type=click.Choice(["auto", "posix", "kvikio"]))
+@click.option("--direct-io", default="auto", show_default=True, type=click.Choice(["auto", "on", "off"]))
+@click.option("--request-size", default="4M", show_default=True, help="Largest I/O request.")
+@click.option("--repeat", default=3, show_default=True, type=click.IntRange(1))
+@click.option("--dir", "root", default=None, help="Where the temporary directory goes (default: cwd).")
+@click.option("--no-nvme", is_flag=True, help="Copy phases only.")
+@click.option("--json", "json_path", default=None, help="Write every figure, machine and config here.")
+@click.option("--plot", "plot_path", default=None, help="Write a PNG of the phases (needs matplotlib).")
+def bench(**kw: Any) -> None:
+    """Measure store/load and NVMe throughput against baselines run alongside."""
+    from rich.console import Console
+
+    from kvtier.bench import BenchConfig, format_table, plot, run_bench, to_json
+
+    request = parse_size(kw["request_size"])
+    if request % 4096:
+        raise click.BadParameter("--request-size must be a multiple of 4 KiB")
+    cfg = BenchConfig(
+        layout=kw["layout"], size_bytes=parse_size(kw["size"]), blocks_per_chunk=kw["blocks_per_chunk"],
+        tokens_per_block=kw["tokens_per_block"], batch_chunks=kw["batch_chunks"], io_threads=kw["io_threads"],
+        direct_io=kw["direct_io"], io_backend=kw["io_backend"], request_nbytes=request, repeat=kw["repeat"],
+        root=kw["root"], nvme=not kw["no_nvme"],
+    )
+    console = Console(stderr=True)
+    with console.status("kvtier bench") as status:
+        try:
+            result = _run(run_bench(cfg, progress=lambda msg: status.update(f"kvtier bench: {msg}")))
+        except KVTierError as exc:
+            raise click.ClickException(str(exc)) from exc
+    Console().print(format_table(result))
+    click.echo(
+        f"scheduling overhead: {result['scheduling_overhead_us_per_chunk']} us/chunk; "
+        f"event-loop lag p99 during NVMe phases: {result['loop_lag_p99_ms']} ms; "
+        f"I/O: {result['io'].get('backend', '-')}, direct={result['io'].get('direct_io', '-')}"
+    )
+    if kw["json_path"]:
+        to_json(result, kw["json_path"])
+    if kw["plot_path"]:
+        try:
+            plot(result, kw["plot_path"])
+        except ImportError:
+            click.echo("--plot needs matplotlib: pip install 'kvtier[plot]'", err=True)
+
+
+@main.command()
+@click.option("--model", required=True, help="gemma3-270m, a tiny-* model, or tiny-all.")
+@click.option("--prompt-tokens", default=200, show_default=True, type=click.IntRange(2))
+@click.option("--block-tokens", default=16, show_default=True, type=click.IntRange(1))
+@click.option("--blocks-per-chunk", default=4, show_default=True, type=click.IntRange(1))
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]))
+@click.option("--root", default=None, help="NVMe root (default: a temporary directory).")
+def roundtrip(**kw: Any) -> None:
+    """Store a model's KV cache, reopen, load it and resume bitwise."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from kvtier.roundtrip import run_roundtrip
+
+    report = run_roundtrip(kw["model"], prompt_tokens=kw["prompt_tokens"], block_tokens=kw["block_tokens"],
+                           blocks_per_chunk=kw["blocks_per_chunk"], dtype=kw["dtype"], root=kw["root"])
+    click.echo(report.format())
+    if not report.ok:
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("root", type=click.Path(exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def inspect(root: str, as_json: bool) -> None:
+    """List namespaces, formats, rows per group and invalid rows under ROOT."""
+    from kvtier.io import inspect_root
+
+    info = inspect_root(root)
+    if as_json:
+        click.echo(json.dumps(info, indent=2, default=str))
+        return
+    click.echo(f"root: {info['root']}")
+    for ns in info["namespaces"]:
+        fmt = ns.get("format") or {}
+        click.echo(f"- {ns['directory']}  namespace={fmt.get('namespace', '?')} "
+                   f"blocks_per_chunk={fmt.get('blocks_per_chunk', '?')} "
+                   f"locked_by_pid={ns.get('locked_by_pid')}")
+        for g, grp in sorted(ns["groups"].items(), key=lambda kv: int(kv[0])):
+            click.echo(f"    g{g}: rows={grp['rows']} valid={grp['valid_rows']} invalid={grp['invalid_rows']} "
+                       f"segments={len(grp['segments'])}")
