@@ -285,7 +285,7 @@ def hf_kv_groups(
     )
 
 
-# --------------------------------------------------------------------------- DynamicCache <-> blocks
+# ------------------------------------------------------------- DynamicCache <-> blocks
 def resident_blocks(kind: str, window: int | None, num_tokens: int, tokens_per_block: int) -> range:
     """Logical blocks of a group that hold cache state after ``num_tokens`` tokens.
 
@@ -364,7 +364,7 @@ def cache_to_blocks(
         nres, row0, row1 = _token_rows(kind, window, num_tokens, tpb)
         ids = _check_ids(group_id, block_tables[group_id], nres)
         for name, paged in tensors.items():
-            layer = cache.layers[kv.layer_index[name]]
+            layer: Any = cache.layers[kv.layer_index[name]]
             if kind in ("linear", "mamba"):
                 states = (
                     layer.conv_states if name.endswith(".conv_state") else layer.recurrent_states
@@ -375,7 +375,8 @@ def cache_to_blocks(
                 rows = torch.cat([layer.keys[0, 0], layer.values[0, 0]], dim=-1)
             else:
                 rows = torch.stack([layer.keys[0], layer.values[0]]).transpose(1, 2)
-            if rows.shape[-3 if kind != "mla" else 0] != row1 - row0:
+            tokens_held = rows.shape[0] if kind == "mla" else rows.shape[1]
+            if tokens_held != row1 - row0:
                 raise ValueError(
                     f"{name}: cache holds {tuple(rows.shape)}, expected {row1 - row0} tokens"
                 )
@@ -420,7 +421,7 @@ def blocks_to_cache(
         nres, row0, row1 = _token_rows(kind, window, num_tokens, tpb)
         ids = _check_ids(group_id, block_tables[group_id], nres)
         for name, paged in tensors.items():
-            layer = cache.layers[kv.layer_index[name]]
+            layer: Any = cache.layers[kv.layer_index[name]]
             if kind in ("linear", "mamba"):
                 state = paged[ids[0]].unsqueeze(0).clone()
                 if name.endswith(".conv_state"):

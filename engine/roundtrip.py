@@ -47,8 +47,8 @@ from kvtier._models import expand_model_names, load_model
 __all__ = [
     "GroupReport",
     "RoundtripReport",
-    "aroundtrip",
     "RoundtripSuite",
+    "aroundtrip",
     "block_hashes",
     "flip_payload_bit",
     "run_roundtrip",
@@ -188,11 +188,11 @@ class RoundtripReport:
             f"{'group':>5} {'kind':>8} {'layers':>7} {'keys':>5} {'blocks':>6} "
             f"{'stored B':>10} {'chunk B':>9} {'hits':>5} {'loaded':>6}",
         ]
-        for g in self.groups:
-            lines.append(
-                f"{g.group_id:>5} {g.kind:>8} {len(g.layers):>7} {g.keys:>5} {g.blocks:>6} "
-                f"{g.stored_nbytes:>10} {g.chunk_nbytes:>9} {g.prefix_hits:>5} {g.loaded:>6}"
-            )
+        lines.extend(
+            f"{g.group_id:>5} {g.kind:>8} {len(g.layers):>7} {g.keys:>5} {g.blocks:>6} "
+            f"{g.stored_nbytes:>10} {g.chunk_nbytes:>9} {g.prefix_hits:>5} {g.loaded:>6}"
+            for g in self.groups
+        )
         lines += [
             f"keys {self.num_keys}; slot {self.slot_nbytes} B (largest group) vs "
             f"{self.sum_slot_nbytes} B (sum of groups); cpu budget {self.cpu_bytes} B holds "
@@ -492,7 +492,10 @@ async def aroundtrip(
         keys_fit_sum=cpu_bytes // sum_slot,
         store_stats=store_stats,
         load_stats=load_stats,
-        failed={repr(k): repr(e) for k, e in loaded.failed.items()},
+        failed={
+            f"OffloadKey({k.block_hash.hex()[:16]}..., group {k.group_id})": str(e)
+            for k, e in loaded.failed.items()
+        },
         missing=len(wanted) - len(present),
         nvme_write_failures=nvme_write_failures,
         skipped_group=skip_group,
@@ -585,10 +588,10 @@ def run_roundtrip(
     names = expand_model_names(model)
     try:
         import uvloop
-
-        reports = uvloop.run(_run_all(names, kwargs))
-    except ImportError:
+    except ImportError:  # uvloop is not available on Windows
         reports = asyncio.run(_run_all(names, kwargs))
+    else:
+        reports = uvloop.run(_run_all(names, kwargs))
     if model == "tiny-all":
         return RoundtripSuite(tuple(reports))
     return reports[0]

@@ -55,7 +55,8 @@ def test_gemma3_default_pads_like_vllm() -> None:
     kinds = Counter(g.kinds.values())
     assert kinds == {"sliding": 6, "full": 1}
     counts = _layer_counts(g)
-    assert max(counts.values()) == 4 and min(counts.values()) == 3
+    assert max(counts.values()) == 4
+    assert min(counts.values()) == 3
     assert sum(counts.values()) == 26
 
 
@@ -85,7 +86,12 @@ def test_qwen_linear_attention_and_full(name: str, linear_groups: int, per_group
     assert _shapes(g, linear) == {
         ((1, conv_dim, config.linear_conv_kernel_dim), torch.bfloat16),
         (
-            (1, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim),
+            (
+                1,
+                config.linear_num_value_heads,
+                config.linear_key_head_dim,
+                config.linear_value_head_dim,
+            ),
             torch.float32,
         ),
     }
@@ -189,6 +195,7 @@ def test_pack_unpack_is_bitwise(name: str, dtype: torch.dtype) -> None:
     a, b = _cache_tensors(cache), _cache_tensors(rebuilt)
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
-        assert x.shape == y.shape and x.dtype == y.dtype
+        assert x.shape == y.shape
+        assert x.dtype == y.dtype
         assert torch.equal(x, y)
     assert rebuilt.get_seq_length() == cache.get_seq_length() == tokens

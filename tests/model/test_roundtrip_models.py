@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from kvtier._models import TINY_MODELS  # noqa: E402
-from kvtier.roundtrip import (  # noqa: E402
+from kvtier._models import TINY_MODELS
+from kvtier.roundtrip import (
     RoundtripReport,
     RoundtripSuite,
     aroundtrip,
@@ -35,7 +35,8 @@ def _single(report: RoundtripReport | RoundtripSuite) -> RoundtripReport:
 def test_tiny_model_roundtrip_is_bitwise(name: str, dtype: str, tmp_path: Path) -> None:
     report = _single(run_roundtrip(name, dtype=dtype, root=tmp_path))
     assert report.ok, report.format()
-    assert report.tokens_equal and report.logits_equal
+    assert report.tokens_equal
+    assert report.logits_equal
     assert report.store_stats.evictions == 0
     assert report.num_keys == report.keys_fit_largest
     assert sum(g.loaded for g in report.groups) == report.num_keys
@@ -95,7 +96,8 @@ def test_skipping_one_group_breaks_bitwise_equality(
             name, prompt_tokens=prompt_tokens, root=tmp_path, skip_group=group, decode_tokens=2
         )
     )
-    assert not report.failed and report.missing == 0
+    assert not report.failed
+    assert report.missing == 0
     assert report.groups[group].loaded == 0
     assert not report.logits_equal
     assert not report.ok
@@ -104,18 +106,23 @@ def test_skipping_one_group_breaks_bitwise_equality(
 def test_chunked_group_is_dead_at_a_chunk_boundary(tmp_path: Path) -> None:
     """Resuming exactly at a chunk boundary, Llama4's chunked layers read no cached token."""
     report = _single(
-        run_roundtrip("tiny-llama4", prompt_tokens=200, root=tmp_path, skip_group=0, decode_tokens=2)
+        run_roundtrip(
+            "tiny-llama4", prompt_tokens=200, root=tmp_path, skip_group=0, decode_tokens=2
+        )
     )
     assert report.resume_tokens % 32 == 0
-    assert report.logits_equal and report.tokens_equal
+    assert report.logits_equal
+    assert report.tokens_equal
 
 
 def test_block_hashes_are_chained_and_stable() -> None:
     a = block_hashes(list(range(40)), 16)
-    assert len(a) == 2 and all(len(h) == 32 for h in a)
+    assert len(a) == 2
+    assert all(len(h) == 32 for h in a)
     assert a == block_hashes(list(range(40)), 16)
     b = block_hashes([99, *range(1, 40)], 16)
-    assert a[0] != b[0] and a[1] != b[1]  # a change in block 0 changes every later hash
+    assert a[0] != b[0]
+    assert a[1] != b[1]
     assert block_hashes(list(range(15)), 16) == []
 
 
