@@ -550,6 +550,7 @@ class TransferEngine:
             ok, errors = await self._writer.promote(promote, protect={c.key for c in chunks})
             pinned.extend(ok)
             failed.update(errors)
+            self._c.load_failures += len(errors)
         for chunk in list(pinned):
             try:
                 self._check_range(chunk)  # a promoted row may hold another range
