@@ -30,6 +30,11 @@ def payload(k: OffloadKey, nbytes: int, salt: int = 0) -> bytes:
     return (block * (nbytes // 256 + 1))[:nbytes]
 
 
+def hashes(tier: NVMeTier) -> list[bytes]:
+    """Sorted block hashes of a tier's visible keys."""
+    return sorted(k.block_hash for k in list(tier.keys()))
+
+
 def tier_kwargs(root: pathlib.Path | str, **over: Any) -> dict[str, Any]:
     kw: dict[str, Any] = {
         "root": root,

@@ -239,7 +239,7 @@ async def test_root_not_writable(tmp_path) -> None:
         ro.mkdir(mode=0o500)
         root = ro / "nvme"
     tier = NVMeTier(**tier_kwargs(root))
-    with pytest.raises(ConfigError, match="cannot create|not writable"):
+    with pytest.raises(ConfigError, match=r"cannot create|not writable"):
         await tier.open()
 
 

@@ -1,0 +1,104 @@
+"""Subprocess side of the restart, lock and SIGKILL tests (``python -m tests.io._child``).
+
+Commands:
+    hold ROOT            open a tier, print "ready", sleep until killed
+    read ROOT N          open a tier, read keys 0..N-1 of groups 0..2, print JSON
+    zygote ROOT          for every "go ITER" line on stdin: fork a writer child,
+                         print its pid, reap it, print "reaped"
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import mmap
+import os
+import sys
+
+from kvtier.io import NVMeTier
+
+from .conftest import GROUP_NBYTES, key, payload, tier_kwargs
+
+KILL_CAPACITY = 48 * 5 * 4096  # small: writers evict and reuse rows
+
+
+async def _hold(root: str) -> None:
+    tier = NVMeTier(**tier_kwargs(root))
+    await tier.open()
+    print("ready", flush=True)
+    await asyncio.sleep(3600)
+
+
+async def _read(root: str, n: int) -> None:
+    tier = NVMeTier(**tier_kwargs(root))
+    await tier.open()
+    mm = mmap.mmap(-1, 3 * n * 8 * 4096)
+    view = memoryview(mm)
+    keys = [key(i, g) for g in range(3) for i in range(n)]
+    bufs = [view[j * 8 * 4096 : (j + 1) * 8 * 4096] for j in range(len(keys))]
+    results = await tier.read_rows(list(zip(keys, bufs, strict=True)))
+    out = {}
+    for k, buf, r in zip(keys, bufs, results, strict=True):
+        name = f"{k.group_id}:{k.block_hash.decode()}"
+        if isinstance(r, tuple):
+            out[name] = [r[0], r[1], hashlib.sha256(buf[: GROUP_NBYTES[k.group_id]]).hexdigest()]
+        else:
+            out[name] = getattr(r, "kind", repr(r))
+    await tier.close()
+    print(json.dumps(out), flush=True)
+
+
+def kill_key(iteration: int, j: int):
+    """The j-th key written by writer ``iteration``: new keys plus rewrites of older ones."""
+    i = iteration * 40 + j if j % 4 else (iteration * 40 + j) // 3
+    return key(i, j % 3)
+
+
+async def _write_forever(root: str, iteration: int) -> None:
+    tier = NVMeTier(**tier_kwargs(root, capacity_bytes=KILL_CAPACITY, segment_nbytes=256 << 10))
+    await tier.open()
+    mm = mmap.mmap(-1, 4 * 8 * 4096)
+    view = memoryview(mm)
+    for start in [s for _ in range(15) for s in range(0, 40, 4)]:  # ~0.25 s of rewrites
+        rows = []
+        for j in range(start, start + 4):
+            k = kill_key(iteration, j)
+            slot = view[(j - start) * 8 * 4096 : (j - start + 1) * 8 * 4096]
+            slot[: GROUP_NBYTES[k.group_id]] = payload(k, GROUP_NBYTES[k.group_id])
+            rows.append((k, 0, 4, slot))
+        await tier.write_rows(rows)
+        if start % 8 == 0:
+            await tier.flush()
+    await tier.close()
+    await asyncio.sleep(3600)  # wait for the kill with the lock released
+
+
+def _zygote(root: str) -> None:
+    for line in sys.stdin:
+        iteration = int(line.split()[1])
+        pid = os.fork()
+        if pid == 0:
+            try:
+                asyncio.run(_write_forever(root, iteration))
+            finally:
+                os._exit(0)
+        print(pid, flush=True)
+        os.waitpid(pid, 0)
+        print("reaped", flush=True)
+
+
+def main() -> None:
+    cmd, root = sys.argv[1], sys.argv[2]
+    if cmd == "hold":
+        asyncio.run(_hold(root))
+    elif cmd == "read":
+        asyncio.run(_read(root, int(sys.argv[3])))
+    elif cmd == "zygote":
+        _zygote(root)
+    else:
+        raise SystemExit(f"unknown command {cmd}")
+
+
+if __name__ == "__main__":
+    main()
