@@ -1,0 +1,161 @@
+"""Prometheus collectors for a :class:`~kvtier.TransferEngine` (optional dependency).
+
+``prometheus_client`` is imported only when :func:`register_prometheus` is
+called. The collector reads :meth:`TransferEngine.stats` at scrape time, so
+it adds no cost to the hot path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvtier._engine import TransferEngine
+
+
+class _EngineCollector:
+    def __init__(self, engine: TransferEngine, namespace: str, labels: dict[str, str]) -> None:
+        self._engine = engine
+        self._ns = namespace
+        self._labels = labels
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        ns, names = self._ns, list(self._labels)
+        values = list(self._labels.values())
+        try:
+            s = self._engine.stats()
+        except Exception:  # engine closed: export nothing
+            return
+
+        def gauge(name: str, doc: str, value: float, extra: dict[str, str] | None = None) -> Any:
+            extra = extra or {}
+            g = GaugeMetricFamily(f"{ns}_{name}", doc, labels=[*names, *extra])
+            g.add_metric([*values, *extra.values()], value)
+            return g
+
+        def counter(
+            name: str, doc: str, items: dict[tuple[str, ...], float], label: list[str]
+        ) -> Any:
+            c = CounterMetricFamily(f"{ns}_{name}", doc, labels=[*names, *label])
+            for key, value in items.items():
+                c.add_metric([*values, *key], value)
+            return c
+
+        slots = GaugeMetricFamily(f"{ns}_slots", "CPU slots by state", labels=[*names, "state"])
+        for state, n in (
+            ("free", s.slots_free),
+            ("writing", s.slots_writing),
+            ("resident", s.slots_resident),
+            ("pinned", s.slots_pinned),
+        ):
+            slots.add_metric([*values, state], n)
+        yield slots
+        keys = GaugeMetricFamily(
+            f"{ns}_resident_keys",
+            "resident keys per tier and group",
+            labels=[*names, "tier", "group_id"],
+        )
+        for g, n in s.keys_per_group.items():
+            keys.add_metric([*values, "cpu", str(g)], n)
+        nvme = s.nvme or {}
+        if nvme:
+            keys.add_metric([*values, "nvme", "all"], float(nvme.get("rows_resident", 0)))  # type: ignore[arg-type]
+        yield keys
+        yield gauge(
+            "slot_waste_bytes", "reserved slot bytes not used by payload", s.slot_waste_nbytes
+        )
+        yield gauge("slot_reserved_bytes", "bytes of occupied slots", s.reserved_nbytes)
+        yield counter(
+            "lookups",
+            "load lookups by outcome",
+            {("hit",): s.hits, ("miss",): s.misses},
+            ["outcome"],
+        )
+        yield counter(
+            "transfer_bytes",
+            "payload bytes copied per direction",
+            {("store",): s.store_bytes, ("load",): s.load_bytes},
+            ["direction"],
+        )
+        yield counter(
+            "transfer_seconds",
+            "seconds spent in copy jobs per direction",
+            {("store",): s.store_seconds, ("load",): s.load_seconds},
+            ["direction"],
+        )
+        yield counter("evictions", "CPU slot evictions", {(): s.evictions}, [])
+        yield counter("rejected", "stored keys rejected for lack of a slot", {(): s.rejected}, [])
+        if nvme:
+            yield counter(
+                "nvme_bytes",
+                "NVMe bytes per direction",
+                {
+                    ("read",): float(nvme.get("read_bytes", 0)),
+                    ("write",): float(nvme.get("write_bytes", 0)),
+                },  # type: ignore[arg-type]
+                ["direction"],
+            )
+            yield counter(
+                "nvme_seconds",
+                "NVMe I/O seconds per direction",
+                {
+                    ("read",): float(nvme.get("read_seconds", 0)),
+                    ("write",): float(nvme.get("write_seconds", 0)),
+                },  # type: ignore[arg-type]
+                ["direction"],
+            )
+            failures = {
+                (k.removeprefix("failures_"),): float(v)
+                for k, v in nvme.items()  # type: ignore[arg-type]
+                if k.startswith("failures_")
+            }
+            yield counter("nvme_failures", "NVMe failures by kind", failures, ["kind"])
+            yield gauge(
+                "nvme_bytes_used", "bytes of NVMe rows in use", float(nvme.get("bytes_used", 0))
+            )  # type: ignore[arg-type]
+            yield gauge(
+                "direct_io_fallback",
+                "1 when O_DIRECT was unavailable and buffered I/O is used",
+                float(nvme.get("direct_io_fallback", 0)),
+            )  # type: ignore[arg-type]
+            yield counter(
+                "checksum_failures",
+                "rows whose checksum did not match",
+                {(): float(nvme.get("checksum_failures", 0))},
+                [],
+            )  # type: ignore[arg-type]
+        yield gauge("pinned_memory", "1 when the CPU pool is page-locked", float(s.pinned_memory))
+
+
+def register_prometheus(
+    engine: TransferEngine,
+    registry: Any = None,
+    *,
+    namespace: str = "kvtier",
+    labels: dict[str, str] | None = None,
+) -> Any:
+    """Export ``engine.stats()`` as Prometheus metrics.
+
+    Args:
+        engine: the engine to export.
+        registry: a ``prometheus_client.CollectorRegistry`` (default: the global REGISTRY).
+        namespace: metric name prefix.
+        labels: constant labels added to every sample (e.g. ``{"rank": "0"}``).
+
+    Returns:
+        The collector (pass it to ``registry.unregister`` to stop exporting).
+
+    Raises:
+        ImportError: ``prometheus_client`` is not installed.
+    """
+    import prometheus_client
+
+    collector = _EngineCollector(engine, namespace, dict(labels or {}))
+    (registry or prometheus_client.REGISTRY).register(collector)
+    return collector
