@@ -409,7 +409,8 @@ class TransferEngine:
         return ChunkCopy(
             self.layout.group(g),
             self._offsets[g],
-            self._region.slot(slot, self.slot_nbytes),
+            self._region.views,
+            slot * self.slot_nbytes,
             chunk.block_ids,
             chunk.offset,
         )

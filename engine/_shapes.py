@@ -75,18 +75,20 @@ def _attn(kind: str, tpb: int, heads: int, dim: int) -> LayerSpec:
 
 
 def _gemma3_270m(tpb: int) -> ModelShape:
-    layers = [
-        _attn("full" if (i + 1) % 6 == 0 else "sliding", tpb, 1, 256) for i in range(18)
-    ]
+    layers = [_attn("full" if (i + 1) % 6 == 0 else "sliding", tpb, 1, 256) for i in range(18)]
     return ModelShape("gemma-3-270m", tuple(layers), torch.bfloat16, tpb)
 
 
 def _llama3_8b(tpb: int) -> ModelShape:
-    return ModelShape("llama-3-8b", tuple(_attn("full", tpb, 8, 128) for _ in range(32)), torch.bfloat16, tpb)
+    return ModelShape(
+        "llama-3-8b", tuple(_attn("full", tpb, 8, 128) for _ in range(32)), torch.bfloat16, tpb
+    )
 
 
 def _deepseek_v3(tpb: int) -> ModelShape:
-    return ModelShape("deepseek-v3", tuple(LayerSpec("mla", (tpb, 576)) for _ in range(61)), torch.bfloat16, tpb)
+    return ModelShape(
+        "deepseek-v3", tuple(LayerSpec("mla", (tpb, 576)) for _ in range(61)), torch.bfloat16, tpb
+    )
 
 
 def _qwen3_next(tpb: int) -> ModelShape:

@@ -216,6 +216,10 @@ class HostRegion:
         self.nbytes = nbytes
         self._mmap = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.views = {
+            w: self.tensor if w == 1 else self.tensor.view(dtype)
+            for w, dtype in ((1, torch.uint8), (2, torch.int16), (4, torch.int32), (8, torch.int64))
+        }
         self.pinned = False
         self._registered = False
         if pin and torch.cuda.is_available():
@@ -247,6 +251,7 @@ class HostRegion:
             cudart.cudaHostUnregister(self.tensor.data_ptr())
             self._registered = False
         del self.tensor
+        self.views.clear()
         try:
             self._mmap.close()
         except BufferError:

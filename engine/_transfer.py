@@ -40,15 +40,17 @@ class ChunkCopy:
     Attributes:
         group: the group's layout.
         layer_offsets: byte offset of each distinct layer inside the slot.
-        slot: uint8 view of the whole slot (CPU memory, 4 KiB aligned).
+        region: ``{itemsize: view of the whole CPU pool as int8/16/32/64}``
+            (4 KiB aligned, 1-D).
+        slot_offset: byte offset of the slot inside the pool.
         block_ids: GPU block ids of sub-blocks ``start .. start+len(block_ids)``.
         start: first sub-block index inside the chunk.
-
     """
 
     group: GroupLayout
     layer_offsets: tuple[int, ...]
-    slot: torch.Tensor
+    region: dict[int, torch.Tensor]
+    slot_offset: int
     block_ids: tuple[int, ...]
     start: int
 
@@ -58,8 +60,7 @@ class ChunkCopy:
         return len(self.block_ids) * self.group.block_payload_nbytes
 
 
-def piece_contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    """Row-major strides (in elements) of a contiguous tensor of ``shape``."""
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     strides, acc = [], 1
     for size in reversed(shape):
         strides.append(acc)
@@ -72,37 +73,44 @@ def _consecutive(ids: tuple[int, ...]) -> bool:
     return ids[-1] - first == len(ids) - 1 and all(b == first + i for i, b in enumerate(ids))
 
 
-def _slot_piece(copy: ChunkCopy, li: int, pi: int) -> torch.Tensor:
-    """The slot-side view matching piece ``pi`` of layer ``li``: ``(n, *piece_shape)``."""
+def _views(copy: ChunkCopy, li: int, pi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(gpu_view, slot_view)`` of piece ``pi`` of layer ``li``, same dtype.
+
+    ``gpu_view`` is ``(num_blocks, *shape)``; ``slot_view`` is ``(n, *shape)``
+    made by one ``as_strided`` on the pool: sub-block ``j`` of the layer starts
+    at ``slot_offset + layer_offset + (start + j) * payload``. The piece's wide
+    element type is used when that start is aligned to it, bytes otherwise.
+    """
     layer = copy.group.layers[li]
     piece = layer.pieces[pi]
-    n = len(copy.block_ids)
-    p = layer.payload_nbytes
-    base = copy.layer_offsets[li] + copy.start * p
-    region = copy.slot[base : base + n * p]
-    shape = piece.view.shape[1:]
-    if piece.page_start == 0 and piece.nbytes == p:
-        out = region if piece.itemsize == 1 else region.view(piece.view.dtype)
-        return out.view(n, *shape)
-    cols = region.view(n, p)[:, piece.page_start : piece.page_start + piece.nbytes]
-    if piece.itemsize != 1:
-        cols = cols.view(piece.view.dtype)
-    return (
-        cols.view(n, *shape)
-        if cols.is_contiguous()
-        else cols.as_strided(
-            (n, *shape), (cols.stride(0), *piece_contiguous_strides(shape)), cols.storage_offset()
-        )
+    base = (
+        copy.slot_offset
+        + copy.layer_offsets[li]
+        + copy.start * layer.payload_nbytes
+        + piece.page_start
     )
+    gpu, w = piece.view, piece.itemsize
+    if base % w:
+        gpu, w = piece.view8, 1
+    shape = gpu.shape[1:]
+    slot = copy.region[w].as_strided(
+        (len(copy.block_ids), *shape),
+        (layer.payload_nbytes // w, *_contiguous_strides(shape)),
+        base // w,
+    )
+    return gpu, slot
 
 
 def run_plan(plan: Sequence[ChunkCopy], direction: Direction) -> None:
     """Execute a job's copies synchronously (worker thread or CUDA stream context).
 
+    Per chunk, per distinct layer and per piece: a strided ``copy_`` when the
+    block ids are consecutive, else ``index_select`` into the slot (store) or
+    ``index_copy_`` into the GPU blocks (load).
+
     Args:
         plan: the chunk copies.
         direction: ``"store"`` (GPU blocks -> slots) or ``"load"`` (slots -> GPU blocks).
-
     """
     for copy in plan:
         ids = copy.block_ids
@@ -111,25 +119,25 @@ def run_plan(plan: Sequence[ChunkCopy], direction: Direction) -> None:
         idx = None if run else torch.tensor(ids, dtype=torch.long, device=device)
         on_cpu = device.type == "cpu"
         for li, layer in enumerate(copy.group.layers):
-            for pi, piece in enumerate(layer.pieces):
-                slot_view = _slot_piece(copy, li, pi)
+            for pi in range(len(layer.pieces)):
+                gpu, slot = _views(copy, li, pi)
                 if run:
-                    gpu = piece.view[ids[0] : ids[0] + len(ids)]
+                    blocks = gpu[ids[0] : ids[0] + len(ids)]
                     if direction == "store":
-                        slot_view.copy_(gpu, non_blocking=not on_cpu)
+                        slot.copy_(blocks, non_blocking=not on_cpu)
                     else:
-                        gpu.copy_(slot_view, non_blocking=not on_cpu)
+                        blocks.copy_(slot, non_blocking=not on_cpu)
                     continue
                 assert idx is not None
                 if direction == "store":
-                    if on_cpu and slot_view.is_contiguous():
-                        torch.index_select(piece.view, 0, idx, out=slot_view)
+                    if on_cpu and slot.is_contiguous():
+                        torch.index_select(gpu, 0, idx, out=slot)
                     else:
-                        slot_view.copy_(piece.view.index_select(0, idx), non_blocking=not on_cpu)
+                        slot.copy_(gpu.index_select(0, idx), non_blocking=not on_cpu)
                 elif on_cpu:
-                    piece.view.index_copy_(0, idx, slot_view)
+                    gpu.index_copy_(0, idx, slot)
                 else:
-                    piece.view.index_copy_(0, idx, slot_view.to(device, non_blocking=True))
+                    gpu.index_copy_(0, idx, slot.to(device, non_blocking=True))
 
 
 class CopyExecutor:

@@ -45,21 +45,40 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--layout", default="gemma-3-270m", show_default=True,
-              help="gemma-3-270m, llama-3-8b, deepseek-v3, qwen3-next, or a JSON file.")
-@click.option("--size", "size", default="1G", show_default=True, help="KV cache bytes moved per phase.")
+@click.option(
+    "--layout",
+    default="gemma-3-270m",
+    show_default=True,
+    help="gemma-3-270m, llama-3-8b, deepseek-v3, qwen3-next, or a JSON file.",
+)
+@click.option(
+    "--size", "size", default="1G", show_default=True, help="KV cache bytes moved per phase."
+)
 @click.option("--blocks-per-chunk", default=16, show_default=True, type=click.IntRange(1))
 @click.option("--tokens-per-block", default=16, show_default=True, type=click.IntRange(1))
 @click.option("--batch-chunks", default=32, show_default=True, type=click.IntRange(1))
 @click.option("--io-threads", default=4, show_default=True, type=click.IntRange(1))
-@click.option("--io-backend", default="auto", show_default=True, type=click.Choice(["auto", "posix", "kvikio"]))
-@click.option("--direct-io", default="auto", show_default=True, type=click.Choice(["auto", "on", "off"]))
+@click.option(
+    "--io-backend",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "posix", "kvikio"]),
+)
+@click.option(
+    "--direct-io", default="auto", show_default=True, type=click.Choice(["auto", "on", "off"])
+)
 @click.option("--request-size", default="4M", show_default=True, help="Largest I/O request.")
 @click.option("--repeat", default=3, show_default=True, type=click.IntRange(1))
-@click.option("--dir", "root", default=None, help="Where the temporary directory goes (default: cwd).")
+@click.option(
+    "--dir", "root", default=None, help="Where the temporary directory goes (default: cwd)."
+)
 @click.option("--no-nvme", is_flag=True, help="Copy phases only.")
-@click.option("--json", "json_path", default=None, help="Write every figure, machine and config here.")
-@click.option("--plot", "plot_path", default=None, help="Write a PNG of the phases (needs matplotlib).")
+@click.option(
+    "--json", "json_path", default=None, help="Write every figure, machine and config here."
+)
+@click.option(
+    "--plot", "plot_path", default=None, help="Write a PNG of the phases (needs matplotlib)."
+)
 def bench(**kw: Any) -> None:
     """Measure store/load and NVMe throughput against baselines run alongside."""
     from rich.console import Console
@@ -70,15 +89,25 @@ def bench(**kw: Any) -> None:
     if request % 4096:
         raise click.BadParameter("--request-size must be a multiple of 4 KiB")
     cfg = BenchConfig(
-        layout=kw["layout"], size_bytes=parse_size(kw["size"]), blocks_per_chunk=kw["blocks_per_chunk"],
-        tokens_per_block=kw["tokens_per_block"], batch_chunks=kw["batch_chunks"], io_threads=kw["io_threads"],
-        direct_io=kw["direct_io"], io_backend=kw["io_backend"], request_nbytes=request, repeat=kw["repeat"],
-        root=kw["root"], nvme=not kw["no_nvme"],
+        layout=kw["layout"],
+        size_bytes=parse_size(kw["size"]),
+        blocks_per_chunk=kw["blocks_per_chunk"],
+        tokens_per_block=kw["tokens_per_block"],
+        batch_chunks=kw["batch_chunks"],
+        io_threads=kw["io_threads"],
+        direct_io=kw["direct_io"],
+        io_backend=kw["io_backend"],
+        request_nbytes=request,
+        repeat=kw["repeat"],
+        root=kw["root"],
+        nvme=not kw["no_nvme"],
     )
     console = Console(stderr=True)
     with console.status("kvtier bench") as status:
         try:
-            result = _run(run_bench(cfg, progress=lambda msg: status.update(f"kvtier bench: {msg}")))
+            result = _run(
+                run_bench(cfg, progress=lambda msg: status.update(f"kvtier bench: {msg}"))
+            )
         except KVTierError as exc:
             raise click.ClickException(str(exc)) from exc
     Console().print(format_table(result))
@@ -101,15 +130,23 @@ def bench(**kw: Any) -> None:
 @click.option("--prompt-tokens", default=200, show_default=True, type=click.IntRange(2))
 @click.option("--block-tokens", default=16, show_default=True, type=click.IntRange(1))
 @click.option("--blocks-per-chunk", default=4, show_default=True, type=click.IntRange(1))
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"]))
+@click.option(
+    "--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"])
+)
 @click.option("--root", default=None, help="NVMe root (default: a temporary directory).")
 def roundtrip(**kw: Any) -> None:
     """Store a model's KV cache, reopen, load it and resume bitwise."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from kvtier.roundtrip import run_roundtrip
 
-    report = run_roundtrip(kw["model"], prompt_tokens=kw["prompt_tokens"], block_tokens=kw["block_tokens"],
-                           blocks_per_chunk=kw["blocks_per_chunk"], dtype=kw["dtype"], root=kw["root"])
+    report = run_roundtrip(
+        kw["model"],
+        prompt_tokens=kw["prompt_tokens"],
+        block_tokens=kw["block_tokens"],
+        blocks_per_chunk=kw["blocks_per_chunk"],
+        dtype=kw["dtype"],
+        root=kw["root"],
+    )
     click.echo(report.format())
     if not report.ok:
         sys.exit(1)
@@ -129,9 +166,13 @@ def inspect(root: str, as_json: bool) -> None:
     click.echo(f"root: {info['root']}")
     for ns in info["namespaces"]:
         fmt = ns.get("format") or {}
-        click.echo(f"- {ns['directory']}  namespace={fmt.get('namespace', '?')} "
-                   f"blocks_per_chunk={fmt.get('blocks_per_chunk', '?')} "
-                   f"locked_by_pid={ns.get('locked_by_pid')}")
+        click.echo(
+            f"- {ns['directory']}  namespace={fmt.get('namespace', '?')} "
+            f"blocks_per_chunk={fmt.get('blocks_per_chunk', '?')} "
+            f"locked_by_pid={ns.get('locked_by_pid')}"
+        )
         for g, grp in sorted(ns["groups"].items(), key=lambda kv: int(kv[0])):
-            click.echo(f"    g{g}: rows={grp['rows']} valid={grp['valid_rows']} invalid={grp['invalid_rows']} "
-                       f"segments={len(grp['segments'])}")
+            click.echo(
+                f"    g{g}: rows={grp['rows']} valid={grp['valid_rows']} invalid={grp['invalid_rows']} "
+                f"segments={len(grp['segments'])}"
+            )

@@ -58,6 +58,7 @@ class Piece:
     page_start: int
     nbytes: int
     itemsize: int
+    view8: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ def _pieces(page: torch.Tensor, payload: int) -> tuple[Piece, ...]:
             view = page[sl]
             nbytes = q * inner
             wide, width = _widen(view, (start, payload))
-            pieces.append(Piece(wide, start, nbytes, width))
+            pieces.append(Piece(wide, start, nbytes, width, view))
             start += nbytes
         if r == 0:
             break

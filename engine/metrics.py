@@ -63,9 +63,9 @@ class _EngineCollector:
         )
         for g, n in s.keys_per_group.items():
             keys.add_metric([*values, "cpu", str(g)], n)
-        nvme = s.nvme or {}
+        nvme: dict[str, Any] = dict(s.nvme or {})
         if nvme:
-            keys.add_metric([*values, "nvme", "all"], float(nvme.get("rows_resident", 0)))  # type: ignore[arg-type]
+            keys.add_metric([*values, "nvme", "all"], float(nvme.get("rows_resident", 0)))
         yield keys
         yield gauge(
             "slot_waste_bytes", "reserved slot bytes not used by payload", s.slot_waste_nbytes
@@ -98,7 +98,7 @@ class _EngineCollector:
                 {
                     ("read",): float(nvme.get("read_bytes", 0)),
                     ("write",): float(nvme.get("write_bytes", 0)),
-                },  # type: ignore[arg-type]
+                },
                 ["direction"],
             )
             yield counter(
@@ -107,29 +107,29 @@ class _EngineCollector:
                 {
                     ("read",): float(nvme.get("read_seconds", 0)),
                     ("write",): float(nvme.get("write_seconds", 0)),
-                },  # type: ignore[arg-type]
+                },
                 ["direction"],
             )
             failures = {
                 (k.removeprefix("failures_"),): float(v)
-                for k, v in nvme.items()  # type: ignore[arg-type]
+                for k, v in nvme.items()
                 if k.startswith("failures_")
             }
             yield counter("nvme_failures", "NVMe failures by kind", failures, ["kind"])
             yield gauge(
                 "nvme_bytes_used", "bytes of NVMe rows in use", float(nvme.get("bytes_used", 0))
-            )  # type: ignore[arg-type]
+            )
             yield gauge(
                 "direct_io_fallback",
                 "1 when O_DIRECT was unavailable and buffered I/O is used",
                 float(nvme.get("direct_io_fallback", 0)),
-            )  # type: ignore[arg-type]
+            )
             yield counter(
                 "checksum_failures",
                 "rows whose checksum did not match",
                 {(): float(nvme.get("checksum_failures", 0))},
                 [],
-            )  # type: ignore[arg-type]
+            )
         yield gauge("pinned_memory", "1 when the CPU pool is page-locked", float(s.pinned_memory))
 
 

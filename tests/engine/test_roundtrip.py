@@ -223,3 +223,22 @@ async def test_same_iteration_calls_coalesce_into_one_job() -> None:
         await asyncio.gather(*loads)
         assert engine.stats().load_jobs == 1
     assert same(t[20:30], t[0:10])
+
+
+async def test_odd_payload_layer_before_a_wide_layer() -> None:
+    # Layer "odd" (1001 B payload) shifts the wide (int64) layer "wide" to an odd
+    # slot offset: the copy must fall back to bytes, not misalign.
+    odd = torch.empty((6, 1001), dtype=torch.uint8)
+    wide = torch.empty((6, 128), dtype=torch.float64)
+    fill_random(odd, 20)
+    fill_random(wide, 21)
+    layout = kvtier.KVLayout.from_tensors({0: {"odd": odd, "wide": wide}})
+    assert layout.layer_offsets(0, 3)[1] % 8
+    before = (odd.clone(), wide.clone())
+    async with kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 3)) as engine:
+        await engine.store([kvtier.Chunk(key("o", 0), [4, 0, 2])])
+        odd.zero_()
+        wide.zero_()
+        await engine.load([kvtier.Chunk(key("o", 0), [1, 3, 5])])
+    assert same(odd[[1, 3, 5]], before[0][[4, 0, 2]])
+    assert same(wide[[1, 3, 5]], before[1][[4, 0, 2]])
