@@ -110,7 +110,7 @@ class _EngineCollector:
                 },
                 ["direction"],
             )
-            failures = {
+            failures: dict[tuple[str, ...], float] = {
                 (k.removeprefix("failures_"),): float(v)
                 for k, v in nvme.items()
                 if k.startswith("failures_")
