@@ -9,10 +9,8 @@ import logging
 import os
 import pathlib
 import re
-import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvtier._types import OffloadKey
@@ -21,51 +19,26 @@ from kvtier.errors import (
     ConfigError,
     DuplicateKeyError,
     EngineClosedError,
-    InvalidArgumentError,
     StorageError,
     UnknownGroupError,
-    storage_error_kind,
 )
-from kvtier.io import _files
-from kvtier.io._align import ALIGN, buffer_address, check_direct, round_up
+from kvtier.io import _batches, _files
+from kvtier.io._align import ALIGN, round_up
+from kvtier.io._batches import FAILURE_KINDS
 from kvtier.io._files import GroupSpec, ReadJob, WriteJob
 from kvtier.io._format import (
     HEADER_NBYTES,
-    SegmentHeader,
     digest16,
-    encode_header,
     format_digest,
     format_fields,
 )
-from kvtier.io._index import RowIndex, RowRef
+from kvtier.io._index import RowIndex
 from kvtier.io._rowio import IOV_MAX, RowIO, select_backend
 
 __all__ = ["FAILURE_KINDS", "NVMeTier"]
 
 log = logging.getLogger("kvtier.io")
 T = TypeVar("T")
-
-FAILURE_KINDS = (
-    "eio", "enospc", "einval", "short_read", "short_write",
-    "checksum", "trailer", "capacity", "missing", "other",
-)  # fmt: skip
-"""Failure kinds counted by :meth:`NVMeTier.stats` as ``failures_<kind>``."""
-
-
-@dataclass(slots=True)
-class _Segment:
-    group_id: int
-    number: int
-    handle: Any
-
-
-def _as_storage_error(exc: BaseException, what: str) -> StorageError:
-    if isinstance(exc, StorageError):
-        return exc
-    errno_ = exc.errno if isinstance(exc, OSError) else None
-    err = StorageError(storage_error_kind(exc), f"{what}: {exc}", errno_)
-    err.__cause__ = exc
-    return err
 
 
 class NVMeTier:
@@ -167,7 +140,7 @@ class NVMeTier:
         self._row_io: RowIO | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._lock_fd: int | None = None
-        self._segments: dict[tuple[int, int], _Segment] = {}
+        self._segments: dict[tuple[int, int], Any] = {}
         self._segment_locks: dict[int, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._write_tasks: set[asyncio.Task[Any]] = set()
@@ -235,37 +208,12 @@ class NVMeTier:
             inner = await self._run(select_backend, io_backend, direct_io, self.directory)
             self._counts["direct_io_fallback"] = int(direct_io == "auto" and not inner.direct)
             self._row_io = wrapper(inner) if wrapper is not None else inner
-            await self._scan()
+            await _batches.scan(self)
         except BaseException:
             await self._release()
             self._state = "closed"
             raise
         self._state = "open"
-
-    async def _scan(self) -> None:
-        assert self._row_io is not None
-        found: dict[tuple[int, int], int] = {}
-        rows: list[tuple[RowRef, OffloadKey, int, int, int]] = []
-        for g, spec in self._specs.items():
-            group_dir = self.directory / f"g{g}"
-            numbers = await self._run(_files.list_segments, group_dir)
-            scans = await asyncio.gather(
-                *(
-                    self._run(_files.scan_segment, self._row_io, group_dir / f"{n}.kvrows", spec, n)
-                    for n in numbers
-                )
-            )
-            for n, scan in zip(numbers, scans, strict=True):
-                if scan.handle is None:
-                    log.warning("ignoring unusable segment %s/%d: %s", group_dir, n, scan.error)
-                    self._counts["invalid_segments_at_open"] += 1
-                    self._index.skip_segment(g, n)
-                    continue
-                self._segments[(g, n)] = _Segment(g, n, scan.handle)
-                found[(g, n)] = scan.num_rows
-                rows.extend(scan.rows)
-                self._counts["invalid_rows_at_open"] += scan.invalid_rows
-        self._index.rebuild(found, rows)
 
     async def _release(self) -> None:
         row_io, segments, lock_fd = self._row_io, list(self._segments.values()), self._lock_fd
@@ -276,7 +224,7 @@ class NVMeTier:
             for seg in segments:
                 with contextlib.suppress(OSError):
                     assert row_io is not None
-                    row_io.close(seg.handle)
+                    row_io.close(seg)
             if lock_fd is not None:
                 _files.release_lock(lock_fd)
 
@@ -287,19 +235,24 @@ class NVMeTier:
     async def close(self) -> None:
         """Wait for in-flight I/O, fdatasync written segments, close files, release the lock.
 
-        Idempotent; a cancelled ``close`` keeps closing in the background and a
-        later call waits for it.
+        Idempotent: a later call returns at once (or waits for a close in
+        progress). A cancelled ``close`` keeps closing in the background.
 
         Raises:
-            StorageError: the final fdatasync failed (files are closed anyway).
+            StorageError: the final fdatasync failed (files are closed and the
+                lock released anyway; raised by the first call only).
 
         """
-        if self._state in ("new", "closed") and self._close_task is None:
+        if self._state == "new":
             self._state = "closed"
+        if self._state == "closed":
             return
         if self._close_task is None:
             self._close_task = asyncio.get_running_loop().create_task(self._close())
-        await asyncio.shield(self._close_task)
+            self._close_task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            await asyncio.shield(self._close_task)
+        else:
+            await asyncio.wait([self._close_task])
 
     async def _close(self) -> None:
         self._state = "closing"
@@ -371,39 +324,6 @@ class NVMeTier:
         )
         return out
 
-    def _fail(self, kind: str) -> None:
-        self._counts[f"failures_{kind if kind in FAILURE_KINDS else 'other'}"] += 1
-
-    # -- argument checks --------------------------------------------------------
-
-    def _slot_view(self, key: Any, buf: Any) -> memoryview:
-        if not isinstance(key, OffloadKey):
-            raise InvalidArgumentError(f"expected an OffloadKey, got {type(key).__name__}")
-        row = self.row_nbytes(key.group_id)
-        view = memoryview(buf)
-        if not view.c_contiguous or view.readonly:
-            raise InvalidArgumentError(f"slot buffer of {key} must be writable and contiguous")
-        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-        if view.nbytes < row:
-            raise InvalidArgumentError(f"slot buffer of {key} has {view.nbytes} bytes < {row}")
-        check_direct(buffer_address(view), row, 0)
-        return view[:row]
-
-    def _runs(self, jobs: list[Any], ref: Callable[[Any], RowRef]) -> list[list[Any]]:
-        runs: list[list[Any]] = []
-        for job in sorted(jobs, key=ref):
-            r = ref(job)
-            if runs:
-                p = ref(runs[-1][-1])
-                run = runs[-1]
-                if (p.group_id, p.segment, p.row + 1) == (r.group_id, r.segment, r.row) and len(
-                    run
-                ) < self._run_rows[r.group_id]:
-                    run.append(job)
-                    continue
-            runs.append([job])
-        return runs
-
     # -- writes -----------------------------------------------------------------
 
     async def write_rows(
@@ -437,109 +357,17 @@ class NVMeTier:
         jobs: list[WriteJob] = []
         seen: set[OffloadKey] = set()
         for pos, (key, start, stop, buf) in enumerate(rows):
-            view = self._slot_view(key, buf)
+            view = _batches.slot_view(self, key, buf)
             if not 0 <= start < stop <= self._blocks_per_chunk:
                 raise ChunkRangeError(f"{key}: sub-blocks {start}..{stop} outside a chunk")
             if key in seen:
                 raise DuplicateKeyError(f"{key} appears twice in one write_rows call")
             seen.add(key)
             jobs.append(WriteJob(key, start, stop, view, pos))
-        task = self._spawn(self._write_batch(jobs))
+        task = self._spawn(_batches.write_batch(self, jobs))
         self._write_tasks.add(task)
         task.add_done_callback(self._write_tasks.discard)
         return await asyncio.shield(task)
-
-    async def _write_batch(self, jobs: list[WriteJob]) -> list[BaseException | None]:
-        results: list[BaseException | None] = [None] * len(jobs)
-        protect = {j.key for j in jobs}
-        placed: list[WriteJob] = []
-        for job in jobs:
-            ref = await self._allocate(job.key.group_id, protect)
-            if isinstance(ref, StorageError):
-                results[job.pos] = ref
-                self._fail(ref.kind)
-                continue
-            job.ref, job.seq = ref, self._index.begin_write(job.key)
-            placed.append(job)
-        runs = self._runs(placed, lambda j: j.ref)
-        t0 = time.perf_counter()
-        outcomes = await asyncio.gather(
-            *(
-                self._run(
-                    _files.write_run,
-                    self._row_io,
-                    self._segments[(run[0].ref.group_id, run[0].ref.segment)].handle,
-                    self._specs[run[0].ref.group_id],
-                    run,
-                )
-                for run in runs
-            )
-        )
-        self._counts["write_seconds"] += time.perf_counter() - t0
-        self._counts["write_requests"] += len(runs)
-        for run, (n, exc, _) in zip(runs, outcomes, strict=True):
-            row = self._row_nbytes[run[0].ref.group_id]
-            if n > 0:
-                self._dirty.add((run[0].ref.group_id, run[0].ref.segment))
-                self._write_epoch += 1
-            for k, job in enumerate(run):
-                if exc is None and n >= (k + 1) * row:
-                    self._index.finish_write(job.key, job.ref, job.seq, job.start, job.stop)
-                    self._counts["write_bytes"] += row
-                    continue
-                err = (
-                    _as_storage_error(exc, f"write of {job.key} failed")
-                    if exc is not None
-                    else StorageError("short_write", f"short write of {job.key}: {n} bytes")
-                )
-                self._index.fail_write(job.key, job.ref, job.seq)
-                self._fail(err.kind)
-                results[job.pos] = err
-        return results
-
-    async def _allocate(self, group_id: int, protect: set[OffloadKey]) -> RowRef | StorageError:
-        failure: BaseException | None = None
-        lock = self._segment_locks.setdefault(group_id, asyncio.Lock())
-        while (ref := self._index.take_free(group_id)) is None and failure is None:
-            async with lock:
-                if self._index.free_rows(group_id):
-                    continue
-                plan = self._index.plan_segment(group_id)
-                if plan is None:
-                    break
-                number, num_rows = plan
-                spec = self._specs[group_id]
-                header = encode_header(
-                    SegmentHeader(
-                        self.digest,
-                        group_id,
-                        spec.row_nbytes,
-                        num_rows,
-                        _files.group_layout_json(self._layout, group_id),
-                    )
-                )
-                try:
-                    handle = await self._run(
-                        _files.create_segment,
-                        self._row_io,
-                        self.directory / f"g{group_id}",
-                        number,
-                        header,
-                        spec.row_offset(num_rows),
-                    )
-                except Exception as exc:
-                    self._index.abandon_segment(group_id, num_rows)
-                    failure = exc
-                    continue
-                self._segments[(group_id, number)] = _Segment(group_id, number, handle)
-                self._index.commit_segment(group_id, number, num_rows)
-        if ref is None:
-            ref = self._index.evict(group_id, protect)
-        if ref is not None:
-            return ref
-        if failure is not None:
-            return _as_storage_error(failure, f"cannot create a segment for group {group_id}")
-        return StorageError("capacity", f"no free or evictable row for group {group_id}")
 
     # -- reads ------------------------------------------------------------------
 
@@ -568,55 +396,19 @@ class NVMeTier:
 
         """
         self._check_open()
-        views = [self._slot_view(key, buf) for key, buf in rows]
+        views = [_batches.slot_view(self, key, buf) for key, buf in rows]
         results: list[tuple[int, int] | BaseException] = [(0, 0)] * len(views)
         jobs: list[ReadJob] = []
         for pos, ((key, _), view) in enumerate(zip(rows, views, strict=True)):
             entry = self._index.pin(key)
             if entry is None:
                 results[pos] = StorageError("missing", f"{key} is not on NVMe")
-                self._fail("missing")
+                _batches.fail(self, "missing")
             else:
                 jobs.append(ReadJob(key, view, entry, pos))
         if jobs:
-            await asyncio.shield(self._spawn(self._read_batch(jobs, results)))
+            await asyncio.shield(self._spawn(_batches.read_batch(self, jobs, results)))
         return results
-
-    async def _read_batch(
-        self, jobs: list[ReadJob], results: list[tuple[int, int] | BaseException]
-    ) -> None:
-        runs = self._runs(jobs, lambda j: j.entry.ref)
-        t0 = time.perf_counter()
-        try:
-            outcomes = await asyncio.gather(
-                *(
-                    self._run(
-                        _files.read_run,
-                        self._row_io,
-                        self._segments[
-                            (run[0].entry.ref.group_id, run[0].entry.ref.segment)
-                        ].handle,
-                        self._specs[run[0].entry.ref.group_id],
-                        run,
-                    )
-                    for run in runs
-                )
-            )
-        finally:
-            for job in jobs:
-                self._index.unpin(job.entry.ref)
-        self._counts["read_seconds"] += time.perf_counter() - t0
-        self._counts["read_requests"] += len(runs)
-        for run, (errors, _) in zip(runs, outcomes, strict=True):
-            for job, err in zip(run, errors, strict=True):
-                if err is None:
-                    self._index.touch(job.key)
-                    self._counts["read_bytes"] += job.buf.nbytes
-                    results[job.pos] = (job.entry.start, job.entry.stop)
-                else:
-                    self._index.drop(job.key, job.entry.ref)
-                    self._fail(err.kind)
-                    results[job.pos] = err
 
     # -- durability -------------------------------------------------------------
 
@@ -648,13 +440,13 @@ class NVMeTier:
             row_io = self._row_io
             assert row_io is not None
             outcomes = await asyncio.gather(
-                *(self._run(row_io.fdatasync, self._segments[s].handle) for s in dirty),
+                *(self._run(row_io.fdatasync, self._segments[s]) for s in dirty),
                 return_exceptions=True,
             )
             errors = [e for e in outcomes if isinstance(e, BaseException)]
             if errors:
                 self._dirty |= dirty
-                raise _as_storage_error(errors[0], "fdatasync of a segment failed")
+                raise _batches.as_storage_error(errors[0], "fdatasync of a segment failed")
             self._synced_epoch = max(self._synced_epoch, epoch)
         finally:
             self._sync_task = None

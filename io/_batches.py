@@ -1,0 +1,264 @@
+"""The row-moving half of NVMeTier: argument checks, allocation, coalesced batches.
+
+Split out of ``_tier.py`` to keep modules small.
+
+These functions run on the event loop thread and mutate the tier's
+:class:`~kvtier.io._index.RowIndex` synchronously; every blocking step goes to
+the tier's executor through ``tier._run``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from kvtier._types import OffloadKey
+from kvtier.errors import InvalidArgumentError, StorageError, storage_error_kind
+from kvtier.io import _files
+from kvtier.io._align import buffer_address, check_direct
+from kvtier.io._files import ReadJob, WriteJob
+from kvtier.io._format import SegmentHeader, encode_header
+from kvtier.io._index import RowRef
+
+log = logging.getLogger("kvtier.io")
+
+if TYPE_CHECKING:
+    from kvtier.io._tier import NVMeTier
+
+FAILURE_KINDS = (
+    "eio", "enospc", "einval", "short_read", "short_write",
+    "checksum", "trailer", "capacity", "missing", "other",
+)  # fmt: skip
+"""Failure kinds counted by :meth:`NVMeTier.stats` as ``failures_<kind>``."""
+
+
+def as_storage_error(exc: BaseException, what: str) -> StorageError:
+    """Wrap a backend exception into a :class:`StorageError` with its kind (chained)."""
+    if isinstance(exc, StorageError):
+        return exc
+    errno_ = exc.errno if isinstance(exc, OSError) else None
+    err = StorageError(storage_error_kind(exc), f"{what}: {exc}", errno_)
+    err.__cause__ = exc
+    return err
+
+
+def fail(tier: NVMeTier, kind: str) -> None:
+    """Count one failure of ``kind`` (unknown kinds count as ``other``)."""
+    tier._counts[f"failures_{kind if kind in FAILURE_KINDS else 'other'}"] += 1
+
+
+def slot_view(tier: NVMeTier, key: Any, buf: Any) -> memoryview:
+    """Check one ``(key, slot_buf)`` argument; return ``slot_buf[:row_nbytes]`` as bytes.
+
+    Raises:
+        InvalidArgumentError: not a key, unknown group, read-only,
+            non-contiguous or too short buffer.
+        AlignmentError: the buffer address is not 4 KiB aligned.
+
+    """
+    if not isinstance(key, OffloadKey):
+        raise InvalidArgumentError(f"expected an OffloadKey, got {type(key).__name__}")
+    row = tier.row_nbytes(key.group_id)
+    view = memoryview(buf)
+    if not view.c_contiguous or view.readonly:
+        raise InvalidArgumentError(f"slot buffer of {key} must be writable and contiguous")
+    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if view.nbytes < row:
+        raise InvalidArgumentError(f"slot buffer of {key} has {view.nbytes} bytes < {row}")
+    check_direct(buffer_address(view), row, 0)
+    return view[:row]
+
+
+def make_runs(tier: NVMeTier, jobs: list[Any], ref: Callable[[Any], RowRef]) -> list[list[Any]]:
+    """Sort jobs by row and cut them into runs of consecutive rows of one segment.
+
+    A run holds at most ``request_nbytes // row_nbytes`` rows (at least one,
+    at most IOV_MAX): one ``preadv``/``pwritev`` each.
+    """
+    out: list[list[Any]] = []
+    for job in sorted(jobs, key=ref):
+        r = ref(job)
+        if out:
+            p = ref(out[-1][-1])
+            run = out[-1]
+            if (p.group_id, p.segment, p.row + 1) == (r.group_id, r.segment, r.row) and len(
+                run
+            ) < tier._run_rows[r.group_id]:
+                run.append(job)
+                continue
+        out.append([job])
+    return out
+
+
+async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseException | None]:
+    """Allocate rows, write them in coalesced runs, publish or free each row.
+
+    Runs as a tier task (shielded from the caller); never raises for I/O errors.
+    """
+    results: list[BaseException | None] = [None] * len(jobs)
+    protect = {j.key for j in jobs}
+    placed: list[WriteJob] = []
+    for job in jobs:
+        ref = await allocate(tier, job.key.group_id, protect)
+        if isinstance(ref, StorageError):
+            results[job.pos] = ref
+            fail(tier, ref.kind)
+            continue
+        job.ref, job.seq = ref, tier._index.begin_write(job.key)
+        placed.append(job)
+    runs = make_runs(tier, placed, lambda j: j.ref)
+    t0 = time.perf_counter()
+    outcomes = await asyncio.gather(
+        *(
+            tier._run(
+                _files.write_run,
+                tier._row_io,
+                tier._segments[(run[0].ref.group_id, run[0].ref.segment)],
+                tier._specs[run[0].ref.group_id],
+                run,
+            )
+            for run in runs
+        )
+    )
+    tier._counts["write_seconds"] += time.perf_counter() - t0
+    tier._counts["write_requests"] += len(runs)
+    for run, (n, exc, _) in zip(runs, outcomes, strict=True):
+        row = tier._row_nbytes[run[0].ref.group_id]
+        if n > 0:
+            tier._dirty.add((run[0].ref.group_id, run[0].ref.segment))
+            tier._write_epoch += 1
+        for k, job in enumerate(run):
+            if exc is None and n >= (k + 1) * row:
+                tier._index.finish_write(job.key, job.ref, job.seq, job.start, job.stop)
+                tier._counts["write_bytes"] += row
+                continue
+            err = (
+                as_storage_error(exc, f"write of {job.key} failed")
+                if exc is not None
+                else StorageError("short_write", f"short write of {job.key}: {n} bytes")
+            )
+            tier._index.fail_write(job.key, job.ref, job.seq)
+            fail(tier, err.kind)
+            results[job.pos] = err
+    return results
+
+
+async def allocate(
+    tier: NVMeTier, group_id: int, protect: set[OffloadKey]
+) -> RowRef | StorageError:
+    """Reserve a row: a free one, else a new segment within capacity, else the LRU victim."""
+    failure: BaseException | None = None
+    lock = tier._segment_locks.setdefault(group_id, asyncio.Lock())
+    while (ref := tier._index.take_free(group_id)) is None and failure is None:
+        async with lock:
+            if tier._index.free_rows(group_id):
+                continue
+            plan = tier._index.plan_segment(group_id)
+            if plan is None:
+                break
+            number, num_rows = plan
+            spec = tier._specs[group_id]
+            header = encode_header(
+                SegmentHeader(
+                    tier.digest,
+                    group_id,
+                    spec.row_nbytes,
+                    num_rows,
+                    _files.group_layout_json(tier._layout, group_id),
+                )
+            )
+            try:
+                handle = await tier._run(
+                    _files.create_segment,
+                    tier._row_io,
+                    tier.directory / f"g{group_id}",
+                    number,
+                    header,
+                    spec.row_offset(num_rows),
+                )
+            except Exception as exc:
+                tier._index.abandon_segment(group_id, num_rows)
+                failure = exc
+                continue
+            tier._segments[(group_id, number)] = handle
+            tier._index.commit_segment(group_id, number, num_rows)
+    if ref is None:
+        ref = tier._index.evict(group_id, protect)
+    if ref is not None:
+        return ref
+    if failure is not None:
+        return as_storage_error(failure, f"cannot create a segment for group {group_id}")
+    return StorageError("capacity", f"no free or evictable row for group {group_id}")
+
+
+async def read_batch(
+    tier: NVMeTier, jobs: list[ReadJob], results: list[tuple[int, int] | BaseException]
+) -> None:
+    """Read pinned rows in coalesced runs, verify and unpin them; fill ``results``.
+
+    A failed key is dropped from the index and counted by kind.
+    """
+    runs = make_runs(tier, jobs, lambda j: j.entry.ref)
+    t0 = time.perf_counter()
+    try:
+        outcomes = await asyncio.gather(
+            *(
+                tier._run(
+                    _files.read_run,
+                    tier._row_io,
+                    tier._segments[(run[0].entry.ref.group_id, run[0].entry.ref.segment)],
+                    tier._specs[run[0].entry.ref.group_id],
+                    run,
+                )
+                for run in runs
+            )
+        )
+    finally:
+        for job in jobs:
+            tier._index.unpin(job.entry.ref)
+    tier._counts["read_seconds"] += time.perf_counter() - t0
+    tier._counts["read_requests"] += len(runs)
+    for run, (errors, _) in zip(runs, outcomes, strict=True):
+        for job, err in zip(run, errors, strict=True):
+            if err is None:
+                tier._index.touch(job.key)
+                tier._counts["read_bytes"] += job.buf.nbytes
+                results[job.pos] = (job.entry.start, job.entry.stop)
+            else:
+                tier._index.drop(job.key, job.entry.ref)
+                fail(tier, err.kind)
+                results[job.pos] = err
+
+
+async def scan(tier: NVMeTier) -> None:
+    """Open every segment of the tier's groups and rebuild the index from the trailers.
+
+    Unusable segments (bad header) are skipped, logged and counted; their
+    numbers are never reused.
+    """
+    assert tier._row_io is not None
+    found: dict[tuple[int, int], int] = {}
+    rows: list[tuple[RowRef, OffloadKey, int, int, int]] = []
+    for g, spec in tier._specs.items():
+        group_dir = tier.directory / f"g{g}"
+        numbers = await tier._run(_files.list_segments, group_dir)
+        scans = await asyncio.gather(
+            *(
+                tier._run(_files.scan_segment, tier._row_io, group_dir / f"{n}.kvrows", spec, n)
+                for n in numbers
+            )
+        )
+        for n, scan in zip(numbers, scans, strict=True):
+            if scan.handle is None:
+                log.warning("ignoring unusable segment %s/%d: %s", group_dir, n, scan.error)
+                tier._counts["invalid_segments_at_open"] += 1
+                tier._index.skip_segment(g, n)
+                continue
+            tier._segments[(g, n)] = scan.handle
+            found[(g, n)] = scan.num_rows
+            rows.extend(scan.rows)
+            tier._counts["invalid_rows_at_open"] += scan.invalid_rows
+    tier._index.rebuild(found, rows)
