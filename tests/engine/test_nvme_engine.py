@@ -1,0 +1,145 @@
+"""The engine with its NVMe tier: restart in a new process, format isolation, corruption."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import kvtier
+from tests.engine import nvme_child
+from tests.engine.helpers import fill_random, key, same
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _child(mode: str, root: Path) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.engine.nvme_child", mode, str(root)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_store_flush_then_new_process_loads_bitwise(tmp_path: Path) -> None:
+    assert _child("store", tmp_path) == {"stored": 6}
+    result = _child("load", tmp_path)
+    assert result["residency"] == ["nvme"] * 6
+    assert result["loaded"] == 6
+    assert result["failed"] == 0
+    assert result["equal"] == [True, True, True, True]
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != "lock"
+    }
+
+
+async def test_layout_change_reuses_nothing_and_deletes_nothing(tmp_path: Path) -> None:
+    layout, _ = nvme_child.build(True)
+    async with kvtier.TransferEngine(layout, nvme_child.config(str(tmp_path))) as engine:
+        await engine.store(nvme_child.chunks())
+        await engine.flush()
+    before = _tree(tmp_path)
+    g0, g1, g2 = (
+        torch.zeros(24, 2, 8, 1, 32, dtype=torch.float32),
+        torch.zeros(2, 24, 8, 2, 32, dtype=torch.float16),
+        torch.zeros(24, 4608, dtype=torch.uint8),
+    )
+    variants = {
+        "dtype": (
+            kvtier.KVLayout.from_tensors(
+                {0: {"full.0": g0}, 1: {"swa.0": g1}, 2: {"lin.0": g2}},
+                block_dim={"full.0": 0, "swa.0": 1, "lin.0": 0},
+                payload_nbytes={"lin.0": 4096},
+            ),
+            4,
+        ),
+        "blocks_per_chunk": (nvme_child.build(False)[0], 2),
+        "block size": (
+            kvtier.KVLayout.from_tensors(
+                {
+                    0: {"full.0": torch.zeros(24, 2, 16, 1, 32, dtype=torch.bfloat16)},
+                    1: {"swa.0": g1},
+                    2: {"lin.0": g2},
+                },
+                block_dim={"full.0": 0, "swa.0": 1, "lin.0": 0},
+                payload_nbytes={"lin.0": 4096},
+                tokens_per_block={0: 32, 1: 16, 2: 16},
+            ),
+            4,
+        ),
+        "group added": (
+            kvtier.KVLayout.from_tensors(
+                {
+                    0: {"full.0": torch.zeros(24, 2, 8, 1, 32, dtype=torch.bfloat16)},
+                    1: {"swa.0": g1},
+                    2: {"lin.0": g2},
+                    3: {"extra": torch.zeros(24, 64)},
+                },
+                block_dim={"full.0": 0, "swa.0": 1, "lin.0": 0, "extra": 0},
+                payload_nbytes={"lin.0": 4096},
+            ),
+            4,
+        ),
+    }
+    dirs = {p.name for p in tmp_path.iterdir()}
+    for name, (other, bpc) in variants.items():
+        cfg = kvtier.EngineConfig(1 << 20, bpc, nvme=nvme_child.config(str(tmp_path)).nvme)
+        async with kvtier.TransferEngine(other, cfg) as engine:
+            assert (
+                engine.lookup([c.key for c in nvme_child.chunks()]) == [kvtier.Residency.MISS] * 6
+            ), name
+        new_dirs = {p.name for p in tmp_path.iterdir()} - dirs
+        assert len(new_dirs) == 1, name
+        dirs |= new_dirs
+    after = _tree(tmp_path)
+    for path, data in before.items():
+        assert after[path] == data, path
+
+
+async def test_corrupt_payload_byte_is_a_counted_miss_and_others_load(tmp_path: Path) -> None:
+    t = torch.empty((16, 8192), dtype=torch.uint8)
+    fill_random(t, 7)
+    before = t.clone()
+    layout = kvtier.KVLayout.from_tensors({0: {"a": t}})
+    nv = kvtier.NVMeConfig(
+        root=tmp_path, capacity_bytes=16 << 20, namespace="corrupt", segment_nbytes=1 << 20
+    )
+    cfg = kvtier.EngineConfig(1 << 20, 2, nvme=nv)
+    chunks = [kvtier.Chunk(key(i, 0), [2 * i, 2 * i + 1]) for i in range(4)]
+    async with kvtier.TransferEngine(layout, cfg) as engine:
+        await engine.store(chunks, durable=True)
+    seg = next(tmp_path.rglob("*.kvrows"))
+    row = layout.slot_nbytes(2)  # one group: row size == slot size
+    with open(seg, "r+b") as f:  # flip one payload byte of row 0
+        f.seek(4096 + 100)
+        b = f.read(1)
+        f.seek(4096 + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    t.zero_()
+    async with kvtier.TransferEngine(layout, cfg) as engine:
+        out = await engine.load(chunks)
+        assert len(out.failed) == 1
+        assert len(out.loaded) == 3
+        bad = next(iter(out.failed))
+        stats = engine.stats()
+        assert stats.load_failures == 1
+        assert stats.nvme["checksum_failures"] == 1
+        assert engine.lookup([bad]) == [kvtier.Residency.MISS]
+    bad_blocks = next(c.block_ids for c in chunks if c.key == bad)
+    good = [b for c in chunks if c.key != bad for b in c.block_ids]
+    assert same(t[good], before[good])
+    assert int(t[list(bad_blocks)].count_nonzero()) == 0  # no wrong bytes reached the "GPU"
+    assert row > 0
