@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import os
 import pathlib
 import re
@@ -37,7 +36,6 @@ from kvtier.io._rowio import IOV_MAX, RowIO, select_backend
 
 __all__ = ["FAILURE_KINDS", "NVMeTier"]
 
-log = logging.getLogger("kvtier.io")
 T = TypeVar("T")
 
 
@@ -47,6 +45,13 @@ class NVMeTier:
     Construction is pure (no I/O); :meth:`open` does the file work. All
     blocking I/O runs on the tier's own ``ThreadPoolExecutor`` of
     ``io_threads`` workers, never on the loop thread or the default executor.
+    Every method must be called from the one event loop thread that opened it.
+
+    Slot buffers: a buffer passed to :meth:`write_rows` or :meth:`read_rows`
+    is used until that call returns. If the awaiting task is cancelled, the
+    I/O still completes in a tier task (the index stays consistent) and the
+    buffer stays in use until :meth:`drain`, :meth:`close` (or, for writes,
+    :meth:`flush`) returns; keep the slot pinned until then.
 
     Args:
         root: parent folder of all namespaces (created if missing).
