@@ -82,6 +82,8 @@ class EngineConfig:
         max_batch_chunks: largest number of chunk copies coalesced into one job.
         pin_memory: page-lock the CPU pool on CUDA hosts.
         write_through: write every stored key to NVMe in the background.
+        copy_threads: worker threads per direction for the CPU-only copy path
+            (default: ``min(2, os.cpu_count())``); ignored on CUDA hosts.
 
     Raises:
         BudgetError: ``cpu_bytes`` is not a positive int.
@@ -96,9 +98,11 @@ class EngineConfig:
     max_batch_chunks: int = 1024
     pin_memory: bool = True
     write_through: bool = True
+    copy_threads: int = min(2, os.cpu_count() or 1)
 
     def __post_init__(self) -> None:
         _positive_int("EngineConfig.cpu_bytes", self.cpu_bytes, BudgetError)
+        _positive_int("EngineConfig.copy_threads", self.copy_threads)
         _positive_int("EngineConfig.blocks_per_chunk", self.blocks_per_chunk)
         _positive_int("EngineConfig.max_batch_chunks", self.max_batch_chunks)
         if self.eviction not in ("lru", "arc"):

@@ -178,7 +178,10 @@ class TransferEngine:
             region = HostRegion(self.num_slots * self.slot_nbytes, pin=self.config.pin_memory)
             self._region = region
             await loop.run_in_executor(None, region.prefault)
-            self._executors = {d: CopyExecutor(self.layout.device, d) for d in ("store", "load")}
+            self._executors = {
+                d: CopyExecutor(self.layout.device, d, self.config.copy_threads)
+                for d in ("store", "load")
+            }
             if self.config.nvme is not None:
                 from kvtier._writeback import NVMeWriter, open_tier
 

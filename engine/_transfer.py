@@ -73,7 +73,7 @@ def _consecutive(ids: tuple[int, ...]) -> bool:
     return ids[-1] - first == len(ids) - 1 and all(b == first + i for i, b in enumerate(ids))
 
 
-def _views(copy: ChunkCopy, li: int, pi: int) -> tuple[torch.Tensor, torch.Tensor]:
+def slot_views(copy: ChunkCopy, li: int, pi: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(gpu_view, slot_view)`` of piece ``pi`` of layer ``li``, same dtype.
 
     ``gpu_view`` is ``(num_blocks, *shape)``; ``slot_view`` is ``(n, *shape)``
@@ -120,7 +120,7 @@ def run_plan(plan: Sequence[ChunkCopy], direction: Direction) -> None:
         on_cpu = device.type == "cpu"
         for li, layer in enumerate(copy.group.layers):
             for pi in range(len(layer.pieces)):
-                gpu, slot = _views(copy, li, pi)
+                gpu, slot = slot_views(copy, li, pi)
                 if run:
                     blocks = gpu[ids[0] : ids[0] + len(ids)]
                     if direction == "store":
@@ -140,26 +140,49 @@ def run_plan(plan: Sequence[ChunkCopy], direction: Direction) -> None:
                     gpu.index_copy_(0, idx, slot.to(device, non_blocking=True))
 
 
+def _split(plan: Sequence[ChunkCopy], parts: int) -> list[Sequence[ChunkCopy]]:
+    """Cut ``plan`` into at most ``parts`` consecutive pieces of about equal bytes."""
+    if parts <= 1 or len(plan) <= 1:
+        return [plan]
+    target = sum(c.nbytes for c in plan) / parts
+    out: list[Sequence[ChunkCopy]] = []
+    start, acc = 0, 0
+    for i, c in enumerate(plan):
+        acc += c.nbytes
+        if acc >= target * (len(out) + 1) and len(out) < parts - 1:
+            out.append(plan[start : i + 1])
+            start = i + 1
+    if start < len(plan):
+        out.append(plan[start:])
+    return out
+
+
 class CopyExecutor:
     """Runs jobs of ONE direction in submission order.
+
+    On CPU-only hosts a job's chunks are split across ``threads`` worker
+    threads (torch releases the GIL while copying); the next job of the same
+    direction starts only when every part of the previous one has finished.
 
     Args:
         device: the device of the registered KV cache tensors.
         direction: ``"store"`` or ``"load"``.
-
+        threads: copy threads for the CPU path (``>= 1``).
     """
 
-    def __init__(self, device: torch.device, direction: Direction) -> None:
+    def __init__(self, device: torch.device, direction: Direction, threads: int = 1) -> None:
         self.device = device
         self.direction: Direction = direction
         self._cuda = device.type == "cuda"
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._stream: torch.cuda.Stream | None = None
+        self._threads = max(1, threads)
+        self._tail: asyncio.Future[None] | None = None
         if self._cuda:  # pragma: no cover - CUDA hosts only
             self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         else:
             self._pool = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix=f"kvtier-{direction}"
+                self._threads, thread_name_prefix=f"kvtier-{direction}"
             )
 
     async def run(self, plan: Sequence[ChunkCopy]) -> None:
@@ -173,15 +196,31 @@ class CopyExecutor:
 
         """
         loop = asyncio.get_running_loop()
-        if self._pool is not None:
-            try:
-                await loop.run_in_executor(self._pool, run_plan, plan, self.direction)
-            except Exception as exc:
-                raise TransferError(
-                    f"{self.direction} copy of {len(plan)} chunks failed: {exc}"
-                ) from exc
+        if self._pool is None:
+            await self._run_cuda(plan)  # pragma: no cover - CUDA hosts only
             return
-        await self._run_cuda(plan)  # pragma: no cover - CUDA hosts only
+        previous, done = self._tail, loop.create_future()
+        self._tail = done
+        try:
+            if previous is not None:
+                await asyncio.shield(previous)
+            parts = _split(plan, self._threads)
+            results = await asyncio.gather(
+                *(
+                    loop.run_in_executor(self._pool, run_plan, part, self.direction)
+                    for part in parts
+                ),
+                return_exceptions=True,
+            )
+        finally:
+            done.set_result(None)
+            if self._tail is done:
+                self._tail = None
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise TransferError(
+                f"{self.direction} copy of {len(plan)} chunks failed: {errors[0]}"
+            ) from errors[0]
 
     async def _run_cuda(self, plan: Sequence[ChunkCopy]) -> None:  # pragma: no cover - CUDA only
         assert self._stream is not None

@@ -43,6 +43,7 @@ import torch
 import kvtier
 from kvtier._shapes import ModelShape, model_shape
 from kvtier._slots import HostRegion
+from kvtier._transfer import ChunkCopy, slot_views
 from kvtier.layout import KVLayout, round_up
 
 
@@ -65,6 +66,7 @@ class BenchConfig:
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     nvme: bool = True
     seed: int = 0
+    block_order: str = "random"
 
 
 @dataclass
@@ -127,13 +129,21 @@ class LagMonitor:
         return 1e3 * s[min(len(s) - 1, int(0.99 * len(s)))]
 
 
-def _chunks(layout: KVLayout, shape: ModelShape, bpc: int, seed: int) -> list[kvtier.Chunk]:
-    """Every block of every group in chunks of ``bpc`` randomly placed blocks."""
+def _chunks(
+    layout: KVLayout, shape: ModelShape, bpc: int, seed: int, block_order: str = "random"
+) -> list[kvtier.Chunk]:
+    """Every block of every group in chunks of ``bpc`` blocks.
+
+    ``block_order="random"`` scatters a chunk's blocks over the whole cache (a
+    long-running server's fragmented block pool, the worst case);
+    ``"sequential"`` gives each chunk consecutive block ids (a fresh pool).
+    """
     rng = random.Random(seed)
     out = []
     for g in layout.group_ids:
         ids = list(range(layout.group(g).num_blocks))
-        rng.shuffle(ids)
+        if block_order == "random":
+            rng.shuffle(ids)
         for c in range(0, len(ids) - bpc + 1, bpc):
             digest = hashlib.blake2b(f"{shape.name}/{g}/{c}".encode(), digest_size=16).digest()
             out.append(kvtier.Chunk(kvtier.OffloadKey(digest, g), ids[c : c + bpc]))
@@ -278,7 +288,9 @@ async def _copy_phases(
 ) -> None:
     bpc = cfg.blocks_per_chunk
     engine_cfg = kvtier.EngineConfig(
-        len(chunks) * layout.slot_nbytes(bpc), bpc, max_batch_chunks=cfg.batch_chunks
+        len(chunks) * layout.slot_nbytes(bpc),
+        bpc,
+        max_batch_chunks=cfg.batch_chunks,
     )
     batches = _batches(chunks, cfg.batch_chunks)
     payload = sum(
@@ -290,14 +302,17 @@ async def _copy_phases(
     src = torch.empty(payload, dtype=torch.uint8, device=cfg.device).fill_(1)
     dst = HostRegion(round_up(payload), pin=True)
     dst.prefault()
+    gather_region = HostRegion(cfg.batch_chunks * layout.slot_nbytes(bpc), pin=True)
+    gather_region.prefault()
     store, load = report["store"], report["load"]
     store.nbytes = load.nbytes = payload
     for phase in (store, load):
         phase.baselines["plain_copy"] = []
+        phase.baselines["torch_gather"] = []
     for _ in range(cfg.repeat):
         async with kvtier.TransferEngine(layout, engine_cfg) as engine:
             for direction, phase in (("store", store), ("load", load)):
-                total = base = 0.0
+                total = base = naive = 0.0
                 window = 0
                 for batch in batches:
                     n = sum(
@@ -325,9 +340,45 @@ async def _copy_phases(
                     if src.is_cuda:
                         torch.cuda.synchronize()
                     base += time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    _torch_gather(layout, batch, gather_region, bpc, direction)
+                    naive += time.perf_counter() - t0
                 phase.seconds.append(total)
                 phase.baselines["plain_copy"].append(base)
+                phase.baselines["torch_gather"].append(naive)
     dst.close()
+    gather_region.close()
+
+
+def _torch_gather(
+    layout: KVLayout, batch: list[kvtier.Chunk], region: HostRegion, bpc: int, direction: str
+) -> None:
+    """Baseline: the same blocks moved with plain torch indexing, one call per chunk and layer.
+
+    What a serving engine writes without kvtier: ``slot.copy_(kv[block_ids])``
+    to store and ``kv[block_ids] = slot`` to load, into the same slot layout.
+    """
+    slot_nbytes = layout.slot_nbytes(bpc)
+    for i, c in enumerate(batch):
+        g = c.key.group_id
+        copy = ChunkCopy(
+            layout.group(g),
+            layout.layer_offsets(g, bpc),
+            region.views,
+            i * slot_nbytes,
+            c.block_ids,
+            c.offset,
+        )
+        idx = torch.tensor(c.block_ids, device=layout.device)
+        for li, layer in enumerate(copy.group.layers):
+            for pi in range(len(layer.pieces)):
+                gpu, slot = slot_views(copy, li, pi)
+                if direction == "store":
+                    slot.copy_(gpu[idx])
+                else:
+                    gpu[idx] = slot
+    if layout.device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 async def _nvme_phases(
@@ -460,7 +511,7 @@ async def run_bench(
     num_blocks -= num_blocks % cfg.blocks_per_chunk
     progress(f"allocating {shape.name}: {num_blocks} blocks")
     layout = shape.build(num_blocks, cfg.device)
-    chunks = _chunks(layout, shape, cfg.blocks_per_chunk, cfg.seed)
+    chunks = _chunks(layout, shape, cfg.blocks_per_chunk, cfg.seed, cfg.block_order)
     report = {name: Phase(name, 0) for name in ("store", "load", "nvme_write", "nvme_read")}
     progress("copy phases")
     await _copy_phases(cfg, layout, chunks, report)

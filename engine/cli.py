@@ -68,6 +68,13 @@ def main() -> None:
     "--direct-io", default="auto", show_default=True, type=click.Choice(["auto", "on", "off"])
 )
 @click.option("--request-size", default="4M", show_default=True, help="Largest I/O request.")
+@click.option(
+    "--block-order",
+    default="random",
+    show_default=True,
+    type=click.Choice(["random", "sequential"]),
+    help="Block ids of a chunk: scattered over the cache, or consecutive.",
+)
 @click.option("--repeat", default=3, show_default=True, type=click.IntRange(1))
 @click.option(
     "--dir", "root", default=None, help="Where the temporary directory goes (default: cwd)."
@@ -100,6 +107,7 @@ def bench(**kw: Any) -> None:
         request_nbytes=request,
         repeat=kw["repeat"],
         root=kw["root"],
+        block_order=kw["block_order"],
         nvme=not kw["no_nvme"],
     )
     console = Console(stderr=True)
