@@ -69,7 +69,7 @@ class StorageError(KVTierError, OSError):
     Attributes:
         kind: one of ``"eio"``, ``"enospc"``, ``"einval"``, ``"short_read"``,
             ``"short_write"``, ``"checksum"``, ``"trailer"``, ``"capacity"``,
-            ``"other"``.
+            ``"missing"``, ``"header"``, ``"other"``.
 
     """
 

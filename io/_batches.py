@@ -21,7 +21,7 @@ from kvtier.io import _files
 from kvtier.io._align import buffer_address, check_direct
 from kvtier.io._files import ReadJob, WriteJob
 from kvtier.io._format import SegmentHeader, encode_header
-from kvtier.io._index import RowRef
+from kvtier.io._index import Growth, RowRef
 
 log = logging.getLogger("kvtier.io")
 
@@ -96,9 +96,13 @@ def make_runs(tier: NVMeTier, jobs: list[Any], ref: Callable[[Any], RowRef]) -> 
 async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseException | None]:
     """Allocate rows, write them in coalesced runs, publish or free each row.
 
-    Runs as a tier task (shielded from the caller); never raises for I/O errors.
+    Stale rows left by earlier calls are blanked first (so this batch can
+    reuse them); rows of other groups evicted for this batch are blanked
+    while the batch is written (their disk blocks are released). Runs as a
+    tier task (shielded from the caller); never raises for I/O errors.
     """
     results: list[BaseException | None] = [None] * len(jobs)
+    await reclaim(tier)
     protect = {j.key for j in jobs}
     placed: list[WriteJob] = []
     for job in jobs:
@@ -111,17 +115,20 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
         placed.append(job)
     runs = make_runs(tier, placed, lambda j: j.ref)
     t0 = time.perf_counter()
-    outcomes = await asyncio.gather(
-        *(
-            tier._run(
-                _files.write_run,
-                tier._row_io,
-                tier._segments[(run[0].ref.group_id, run[0].ref.segment)],
-                tier._specs[run[0].ref.group_id],
-                run,
+    outcomes, _ = await asyncio.gather(
+        asyncio.gather(
+            *(
+                tier._run(
+                    _files.write_run,
+                    tier._row_io,
+                    tier._segments[(run[0].ref.group_id, run[0].ref.segment)],
+                    tier._specs[run[0].ref.group_id],
+                    run,
+                )
+                for run in runs
             )
-            for run in runs
-        )
+        ),
+        reclaim(tier),
     )
     tier._counts["write_seconds"] += time.perf_counter() - t0
     tier._counts["write_requests"] += len(runs)
@@ -149,49 +156,103 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
 async def allocate(
     tier: NVMeTier, group_id: int, protect: set[OffloadKey]
 ) -> RowRef | StorageError:
-    """Reserve a row: a free one, else a new segment within capacity, else the LRU victim."""
-    failure: BaseException | None = None
+    """Reserve a row for a write of ``group_id``.
+
+    Capacity first (:meth:`RowIndex.reserve`, evicting LRU keys of any
+    group), then a row: an evicted row of the group, else its lowest free
+    row, else a new step of its segments (created or extended on disk).
+
+    Returns:
+        The row, or a :class:`StorageError`: kind ``capacity`` (no room even
+        after evicting every evictable key; nothing was evicted) or the kind
+        of the failed growth (``enospc``, ``eio``, ...).
+
+    """
+    index = tier._index
+    ok, ref = index.reserve(group_id, protect)
+    if not ok:
+        return StorageError(
+            "capacity",
+            f"no room for a {index.row_nbytes(group_id)}-byte row of group {group_id}: "
+            f"{index.bytes_used} of capacity_bytes={index.capacity_bytes} are held by "
+            "rows in flight, pinned or of the same write_rows call",
+        )
     lock = tier._segment_locks.setdefault(group_id, asyncio.Lock())
-    while (ref := tier._index.take_free(group_id)) is None and failure is None:
+    while ref is None and (ref := index.take_free(group_id)) is None:
         async with lock:
-            if tier._index.free_rows(group_id):
+            if index.free_rows(group_id):
                 continue
-            plan = tier._index.plan_segment(group_id)
-            if plan is None:
-                break
-            number, num_rows = plan
-            spec = tier._specs[group_id]
-            header = encode_header(
-                SegmentHeader(
-                    tier.digest,
-                    group_id,
-                    spec.row_nbytes,
-                    num_rows,
-                    _files.group_layout_json(tier._layout, group_id),
-                )
-            )
+            plan = index.plan_growth(group_id)
             try:
-                handle = await tier._run(
-                    _files.create_segment,
-                    tier._row_io,
-                    tier.directory / f"g{group_id}",
-                    number,
-                    header,
-                    spec.row_offset(num_rows),
-                )
+                await grow(tier, plan)
             except Exception as exc:
-                tier._index.abandon_segment(group_id, num_rows)
-                failure = exc
-                continue
-            tier._segments[(group_id, number)] = handle
-            tier._index.commit_segment(group_id, number, num_rows)
-    if ref is None:
-        ref = tier._index.evict(group_id, protect)
-    if ref is not None:
-        return ref
-    if failure is not None:
-        return as_storage_error(failure, f"cannot create a segment for group {group_id}")
-    return StorageError("capacity", f"no free or evictable row for group {group_id}")
+                index.abandon_growth(plan)
+                index.unreserve(group_id)
+                return as_storage_error(exc, f"cannot grow the segments of group {group_id}")
+            index.commit_growth(plan)
+    return ref
+
+
+async def grow(tier: NVMeTier, plan: Growth) -> None:
+    """Create or extend the segment file of a :class:`Growth` plan.
+
+    Raises:
+        OSError, StorageError: the file could not be created or extended.
+
+    """
+    spec = tier._specs[plan.group_id]
+    if not plan.new:
+        handle = tier._segments[(plan.group_id, plan.segment)]
+        await tier._run(_files.grow_segment, tier._row_io, handle, spec.row_offset(plan.stop))
+        return
+    header = encode_header(
+        SegmentHeader(
+            tier.digest,
+            plan.group_id,
+            spec.row_nbytes,
+            plan.num_rows,
+            _files.group_layout_json(tier._layout, plan.group_id),
+        )
+    )
+    tier._segments[(plan.group_id, plan.segment)] = await tier._run(
+        _files.create_segment,
+        tier._row_io,
+        tier.directory / f"g{plan.group_id}",
+        plan.segment,
+        header,
+        spec.row_offset(plan.stop),
+    )
+
+
+async def reclaim(tier: NVMeTier) -> None:
+    """Blank the index's stale rows (punch a hole, else zero the trailer), then free them.
+
+    A failed blanking is logged and counted (``reclaim_failures``); the row
+    is freed anyway (its next write overwrites the trailer; until then a
+    restart may find its old key again, with intact bytes). Never raises.
+    """
+    refs = tier._index.take_stale()
+    if not refs:
+        return
+    by_segment: dict[tuple[int, int], list[int]] = {}
+    for ref in refs:
+        by_segment.setdefault((ref.group_id, ref.segment), []).append(ref.row)
+    outcomes = await asyncio.gather(
+        *(
+            tier._run(
+                _files.blank_rows, tier._row_io, tier._segments[seg], tier._specs[seg[0]], rows
+            )
+            for seg, rows in by_segment.items()
+        ),
+        return_exceptions=True,
+    )
+    for (g, seg), outcome in zip(by_segment, outcomes, strict=True):
+        tier._dirty.add((g, seg))
+        tier._write_epoch += 1
+        if isinstance(outcome, BaseException):
+            log.warning("cannot blank stale rows of segment g%d/%d: %s", g, seg, outcome)
+            tier._counts["reclaim_failures"] += 1
+    tier._index.reclaimed(refs)
 
 
 async def read_batch(
@@ -240,7 +301,7 @@ async def scan(tier: NVMeTier) -> None:
     numbers are never reused.
     """
     assert tier._row_io is not None
-    found: dict[tuple[int, int], int] = {}
+    found: dict[tuple[int, int], tuple[int, int]] = {}
     rows: list[tuple[RowRef, OffloadKey, int, int, int]] = []
     for g, spec in tier._specs.items():
         group_dir = tier.directory / f"g{g}"
@@ -258,7 +319,7 @@ async def scan(tier: NVMeTier) -> None:
                 tier._index.skip_segment(g, n)
                 continue
             tier._segments[(g, n)] = scan.handle
-            found[(g, n)] = scan.num_rows
+            found[(g, n)] = (scan.num_rows, scan.allocated_rows)
             rows.extend(scan.rows)
             tier._counts["invalid_rows_at_open"] += scan.invalid_rows
     tier._index.rebuild(found, rows)

@@ -1,13 +1,15 @@
 """Blocking file-side steps of the NVMe tier; each runs in a tier worker thread.
 
-Directory preparation and locking, segment creation and scanning, and the
-coalesced row reads and writes (with trailer encoding and verification). None
-of these functions may be called on the event loop thread.
+Directory preparation and locking, segment creation, growth and scanning,
+blanking of freed rows, and the coalesced row reads and writes (with trailer
+encoding and verification). None of these functions may be called on the event loop thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import fcntl
 import json
 import mmap
@@ -78,10 +80,15 @@ class ReadJob:
 
 @dataclass(slots=True)
 class ScanResult:
-    """A segment found at open: handle, rows and counts (``handle`` None: unusable)."""
+    """A segment found at open: handle, rows and counts (``handle`` None: unusable).
+
+    ``num_rows`` is the header's row count, ``allocated_rows`` the rows the
+    file holds in full (segment files grow lazily).
+    """
 
     handle: Any
     num_rows: int = 0
+    allocated_rows: int = 0
     rows: list[tuple[RowRef, OffloadKey, int, int, int]] = field(default_factory=list)
     invalid_rows: int = 0
     error: str = ""
@@ -170,11 +177,13 @@ def validate_trailer(spec: GroupSpec, trailer: RowTrailer) -> str:
 
 
 def scan_segment(row_io: RowIO, path: pathlib.Path, spec: GroupSpec, number: int) -> ScanResult:
-    """Open a segment, validate its header and read every row trailer.
+    """Open a segment, validate its header and read the trailer of every allocated row.
 
-    Blank (all-zero) trailers are free rows; undecodable or foreign trailers
-    are counted invalid (and are free space). A file shorter than its header
-    says is extended again (rows cut by the truncation count as invalid).
+    Segment files grow lazily: a file may end before the ``num_rows`` rows
+    its header announces; the rows it holds in full are allocated, the rest
+    are not (a row cut in the middle counts invalid). Blank (all-zero)
+    trailers are free rows; undecodable or foreign trailers are counted
+    invalid (and are free space). Nothing is written.
     """
     handle = row_io.open(path, create=False)
     try:
@@ -188,15 +197,13 @@ def scan_segment(row_io: RowIO, path: pathlib.Path, spec: GroupSpec, number: int
             spec.row_nbytes,
         ):
             raise StorageError("header", "segment header does not match the format")
-        result = ScanResult(handle, header.num_rows)
         size = os.stat(path).st_size
-        full = spec.row_offset(header.num_rows)
-        if size < full:
-            first_cut = max(0, (size - HEADER_NBYTES) // spec.row_nbytes)
-            result.invalid_rows += int(spec.row_offset(first_cut) < size)
-            row_io.allocate(handle, full)
+        allocated = min(header.num_rows, max(0, (size - HEADER_NBYTES) // spec.row_nbytes))
+        result = ScanResult(handle, header.num_rows, allocated)
+        if allocated < header.num_rows and spec.row_offset(allocated) < size:
+            result.invalid_rows += 1  # a row cut by a truncation (or a torn growth)
         view = memoryview(buf)
-        for i in range(header.num_rows):
+        for i in range(allocated):
             file_offset = spec.row_offset(i) + spec.payload_region
             if row_io.preadv(handle, [view], file_offset) != TRAILER_NBYTES or is_blank(view):
                 continue
@@ -222,6 +229,9 @@ def create_segment(
     row_io: RowIO, group_dir: pathlib.Path, number: int, header: bytes, nbytes: int
 ) -> Any:
     """Create ``<number>.kvrows`` atomically (temp file, fdatasync, rename); return its handle.
+
+    The file is allocated to ``nbytes`` (header plus the first rows); the
+    header may announce more rows, allocated later by :func:`grow_segment`.
 
     Raises:
         OSError, StorageError: the file could not be created, sized or written.
@@ -251,6 +261,66 @@ def create_segment(
             tmp.unlink()
         raise
     return handle
+
+
+def grow_segment(row_io: RowIO, handle: Any, nbytes: int) -> None:
+    """Allocate a segment file up to ``nbytes`` (new rows read as zeros: blank trailers).
+
+    Raises:
+        OSError: e.g. ENOSPC (the file keeps its previous rows).
+
+    """
+    row_io.allocate(handle, nbytes)
+
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_fallocate: Any = None
+
+
+def _punch_hole(handle: Any, file_offset: int, nbytes: int) -> bool:
+    """Deallocate a byte range of a segment (reads back as zeros); False where unsupported."""
+    global _fallocate
+    fd = handle if isinstance(handle, int) else getattr(handle, "fd", None)
+    if not isinstance(fd, int):
+        return False
+    if _fallocate is None:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), "fallocate", None)
+        if fn is not None:
+            fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            fn.restype = ctypes.c_int
+        _fallocate = fn or False
+    if not _fallocate:
+        return False
+    mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
+    if _fallocate(fd, mode, file_offset, nbytes) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        return False
+    raise OSError(err, f"fallocate(PUNCH_HOLE) failed: {os.strerror(err)}")
+
+
+def blank_rows(row_io: RowIO, handle: Any, spec: GroupSpec, rows: Sequence[int]) -> None:
+    """Make ``rows`` free on disk: a restart finds no key there.
+
+    Each row is deallocated with ``fallocate(PUNCH_HOLE)`` (its disk blocks
+    are released and it reads back as zeros); where the filesystem or backend
+    does not support that, its trailer is overwritten with zeros.
+
+    Raises:
+        OSError, StorageError: a request failed or was short (the rows before
+            it are blank).
+
+    """
+    zeros: memoryview | None = None
+    for row in rows:
+        if _punch_hole(handle, spec.row_offset(row), spec.row_nbytes):
+            continue
+        zeros = zeros or memoryview(_aligned(TRAILER_NBYTES))
+        file_offset = spec.row_offset(row) + spec.payload_region
+        if row_io.pwritev(handle, [zeros], file_offset) != TRAILER_NBYTES:
+            raise StorageError("short_write", f"short trailer write at {file_offset}")
 
 
 def write_run(

@@ -1,7 +1,8 @@
 """Pure encoding and decoding of the on-disk row format (DESIGN.md section 5).
 
 A segment file is a 4096-byte :class:`SegmentHeader` followed by fixed-size
-rows at ``4096 + i * row_nbytes``. A row is the payload padded to 4 KiB plus a
+rows at ``4096 + i * row_nbytes`` (up to the header's ``num_rows``; the file
+may stop earlier, it grows in steps). A row is the payload padded to 4 KiB plus a
 4096-byte :class:`RowTrailer`. All integers are little-endian. Both the header
 and the trailer end with an xxh3-64 checksum of their first 4088 bytes, so any
 corrupted byte of either is detected.
@@ -155,7 +156,9 @@ class SegmentHeader:
         digest: the 32-byte format digest.
         group_id: the KV cache group whose rows the file holds.
         row_nbytes: bytes of one row (a multiple of 4096).
-        num_rows: rows in the file; they start at byte 4096.
+        num_rows: rows the file may hold; they start at byte 4096. Files
+            grow lazily, so a file may end before its last rows: rows it does
+            not hold in full are unallocated (free), not damaged.
         layout_json: the group's layout as a JSON string (informative).
         version: the format version.
 

@@ -1,14 +1,29 @@
-"""The NVMe tier's pure, synchronous state: row allocator, key index and LRU.
+"""The NVMe tier's pure, synchronous state: segment growth, row allocator, key index, LRU.
 
 No I/O and no awaits happen here (httpcore style): :class:`~kvtier.io.NVMeTier`
 mutates a :class:`RowIndex` synchronously on the event loop thread and performs
-file I/O outside it. Every row is in exactly one state:
+file I/O outside it.
 
-* free: in the group's free heap;
-* reserved: handed out by :meth:`RowIndex.take_free`, :meth:`RowIndex.evict`
-  for a write in flight (in no other structure);
-* visible: holds a key's fully written row (in ``_entries`` and the LRU);
-* zombie: dropped while a read pins it; freed on the last :meth:`RowIndex.unpin`.
+Capacity is counted in rows, not files: ``bytes_used`` is the sum of
+``row_nbytes`` over the rows that hold or are about to hold data (visible,
+reserved, zombie) and never exceeds ``capacity_bytes``. Eviction is one LRU
+over the keys of all groups; an evicted row stays in its group's segment and
+becomes a free row of that group. Segment files grow lazily, ``grow_rows``
+rows at a time, so rows allocated on disk (``allocated_nbytes``) exceed the
+rows in use only by free holes.
+
+Every row allocated on disk is in exactly one state:
+
+* free: in its group's free heap; its trailer is known blank (never written,
+  blanked, or unusable at open), so a restart cannot find a key in it;
+* reserved: handed to a write in flight (by :meth:`RowIndex.take_free` or,
+  as an evicted row of the writer's group, by :meth:`RowIndex.reserve`);
+* visible: holds a key's fully written row (in the LRU);
+* zombie: dropped while a read pins it; becomes stale on the last :meth:`RowIndex.unpin`;
+* stale: holds no visible key but may still hold a valid trailer on disk; the
+  tier blanks the trailer (:meth:`RowIndex.take_stale`, then
+  :meth:`RowIndex.reclaimed`) before the row becomes free, so that an evicted
+  or replaced key does not come back after a restart.
 """
 
 from __future__ import annotations
@@ -20,7 +35,7 @@ from dataclasses import dataclass
 
 from kvtier._types import OffloadKey
 
-__all__ = ["RowEntry", "RowIndex", "RowRef"]
+__all__ = ["Growth", "RowEntry", "RowIndex", "RowRef"]
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -42,14 +57,40 @@ class RowEntry:
     seq: int
 
 
+@dataclass(frozen=True, slots=True)
+class Growth:
+    """A planned growth of one segment: rows ``start..stop`` become allocated.
+
+    ``new``: the segment file does not exist yet (create it with a header of
+    ``num_rows`` rows and room for ``stop`` rows); otherwise extend it.
+    """
+
+    group_id: int
+    segment: int
+    num_rows: int
+    start: int
+    stop: int
+    new: bool
+
+
 class RowIndex:
-    """Row allocation, key lookup and LRU eviction over fixed-size rows.
+    """Row allocation, key lookup and global LRU eviction over fixed-size rows.
 
     Args:
         row_nbytes: bytes of one row per group id.
-        capacity_bytes: bound on the sum of ``num_rows * row_nbytes`` over all
-            segments of all groups.
-        rows_per_segment: rows of a full new segment per group id.
+        capacity_bytes: bound on ``bytes_used`` (rows in use, all groups).
+        rows_per_segment: most rows of one segment file per group id.
+        grow_rows: rows added per growth step per group id (``>= 1``).
+
+    Attributes:
+        bytes_used: row bytes of visible, reserved and zombie rows plus the
+            capacity reserved for writes that have no row yet.
+        allocated_nbytes: row bytes allocated in segment files (every state),
+            growths in progress included.
+        disk_budget_nbytes: ``capacity_bytes`` plus one growth step per group;
+            growth shrinks its step to stay within it (but always grows at
+            least one row).
+        evictions: keys evicted by LRU so far.
 
     """
 
@@ -58,125 +99,203 @@ class RowIndex:
         row_nbytes: Mapping[int, int],
         capacity_bytes: int,
         rows_per_segment: Mapping[int, int],
+        grow_rows: Mapping[int, int],
     ) -> None:
         self._row_nbytes = dict(row_nbytes)
         self._rows_per_segment = dict(rows_per_segment)
+        self._grow_rows = {g: max(1, min(grow_rows[g], rows_per_segment[g])) for g in row_nbytes}
         self.capacity_bytes = capacity_bytes
+        self.disk_budget_nbytes = capacity_bytes + sum(
+            self._grow_rows[g] * r for g, r in self._row_nbytes.items()
+        )
         self.bytes_used = 0
-        self._segments: dict[int, dict[int, int]] = {g: {} for g in row_nbytes}
+        self.allocated_nbytes = 0
+        # group -> segment -> [num_rows (header), allocated rows (file)]
+        self._segments: dict[int, dict[int, list[int]]] = {g: {} for g in row_nbytes}
         self._next_segment: dict[int, int] = dict.fromkeys(row_nbytes, 0)
         self._free: dict[int, list[RowRef]] = {g: [] for g in row_nbytes}
-        self._lru: dict[int, OrderedDict[OffloadKey, RowEntry]] = {
-            g: OrderedDict() for g in row_nbytes
-        }
+        self._stale: list[RowRef] = []
+        self._lru: OrderedDict[OffloadKey, RowEntry] = OrderedDict()
         self._pending: dict[OffloadKey, set[int]] = {}
         self._pins: dict[RowRef, int] = {}
         self._zombies: set[RowRef] = set()
         self._seq = 0
         self.evictions = 0
 
+    def row_nbytes(self, group_id: int) -> int:
+        """Bytes of one row of a group."""
+        return self._row_nbytes[group_id]
+
     # -- segments ---------------------------------------------------------------
 
-    def segments(self, group_id: int) -> dict[int, int]:
-        """Segment number -> number of rows, for one group (a copy)."""
-        return dict(self._segments[group_id])
+    def segments(self, group_id: int) -> dict[int, tuple[int, int]]:
+        """Segment number -> ``(num_rows, allocated rows)``, for one group (a copy)."""
+        return {s: (n, a) for s, (n, a) in self._segments[group_id].items()}
 
     def rebuild(
         self,
-        segments: Mapping[tuple[int, int], int],
+        segments: Mapping[tuple[int, int], tuple[int, int]],
         rows: Iterable[tuple[RowRef, OffloadKey, int, int, int]],
     ) -> None:
         """Set the state found on disk at open (call once, on an empty index).
 
         Args:
-            segments: ``(group_id, segment) -> num_rows`` of every usable segment.
+            segments: ``(group_id, segment) -> (num_rows, allocated rows)`` of
+                every usable segment.
             rows: ``(ref, key, start, stop, seq)`` of every valid row. For a key
-                found in several rows the highest ``seq`` wins; the other rows
-                and every row not listed become free. LRU order follows ``seq``.
+                found in several rows the highest ``seq`` wins and the other
+                rows are stale; rows not listed are free. LRU order follows
+                ``seq``; while the winners exceed ``capacity_bytes`` the least
+                recently used are evicted (stale).
 
         """
         best: dict[OffloadKey, RowEntry] = {}
+        losers: list[RowRef] = []
         for ref, key, start, stop, seq in rows:
             old = best.get(key)
             if old is None or seq > old.seq:
                 best[key] = RowEntry(ref, start, stop, seq)
+                if old is not None:
+                    losers.append(old.ref)
+            else:
+                losers.append(ref)
             self._seq = max(self._seq, seq)
-        used = {e.ref for e in best.values()}
-        for (g, seg), num_rows in sorted(segments.items()):
-            self._segments[g][seg] = num_rows
+        taken = {e.ref for e in best.values()} | set(losers)
+        for (g, seg), (num_rows, allocated) in sorted(segments.items()):
+            self._segments[g][seg] = [num_rows, allocated]
             self._next_segment[g] = max(self._next_segment[g], seg + 1)
-            self.bytes_used += num_rows * self._row_nbytes[g]
-            for i in range(num_rows):
-                ref = RowRef(g, seg, i)
-                if ref not in used:
-                    self._free[g].append(ref)
+            self.allocated_nbytes += allocated * self._row_nbytes[g]
+            self._free[g].extend(
+                ref for i in range(allocated) if (ref := RowRef(g, seg, i)) not in taken
+            )
             heapq.heapify(self._free[g])
+        self._stale.extend(losers)
         for key, entry in sorted(best.items(), key=lambda kv: kv[1].seq):
-            self._lru[key.group_id][key] = entry
+            self._lru[key] = entry
+            self.bytes_used += self._row_nbytes[key.group_id]
+        while self.bytes_used > self.capacity_bytes:
+            key, entry = self._lru.popitem(last=False)
+            self.evictions += 1
+            self._release(entry.ref)
 
     def skip_segment(self, group_id: int, segment: int) -> None:
         """Never hand out ``segment`` (an unusable file with that number exists)."""
         self._next_segment[group_id] = max(self._next_segment[group_id], segment + 1)
 
-    def plan_segment(self, group_id: int) -> tuple[int, int] | None:
-        """Reserve capacity for a new segment of ``group_id``.
+    def plan_growth(self, group_id: int) -> Growth:
+        """Plan allocating more rows for a group: extend a segment or start a new one.
+
+        The step is ``grow_rows`` rows, fewer where
+        ``disk_budget_nbytes`` would be exceeded (never fewer than one row),
+        and never beyond a segment's ``num_rows``. The caller serializes growths of a group,
+        performs the I/O, then calls :meth:`commit_growth` or :meth:`abandon_growth`.
+        """
+        row = self._row_nbytes[group_id]
+        room = (self.disk_budget_nbytes - self.allocated_nbytes) // row
+        want = max(1, min(self._grow_rows[group_id], room))
+        for seg, (num_rows, allocated) in sorted(self._segments[group_id].items()):
+            if allocated < num_rows:
+                stop = min(num_rows, allocated + want)
+                plan = Growth(group_id, seg, num_rows, allocated, stop, False)
+                break
+        else:
+            seg = self._next_segment[group_id]
+            self._next_segment[group_id] = seg + 1
+            num_rows = self._rows_per_segment[group_id]
+            plan = Growth(group_id, seg, num_rows, 0, min(num_rows, want), True)
+        self.allocated_nbytes += (plan.stop - plan.start) * row
+        return plan
+
+    def commit_growth(self, plan: Growth) -> None:
+        """The planned rows exist on disk (blank): add them to the free rows."""
+        self._segments[plan.group_id].setdefault(plan.segment, [plan.num_rows, 0])[1] = plan.stop
+        for i in range(plan.start, plan.stop):
+            heapq.heappush(self._free[plan.group_id], RowRef(plan.group_id, plan.segment, i))
+
+    def abandon_growth(self, plan: Growth) -> None:
+        """The growth failed: forget the planned rows (a new segment number is not reused)."""
+        self.allocated_nbytes -= (plan.stop - plan.start) * self._row_nbytes[plan.group_id]
+
+    # -- capacity and allocation ------------------------------------------------
+
+    def reserve(self, group_id: int, protect: Container[OffloadKey]) -> tuple[bool, RowRef | None]:
+        """Reserve capacity for one row of ``group_id``, evicting LRU keys of any group.
+
+        Evicts the least recently used unpinned keys not in ``protect``, of
+        all groups, until the row fits; evicts nothing when even evicting
+        every such key would not make room.
 
         Returns:
-            ``(segment number, num_rows)``, with ``num_rows`` limited by the
-            remaining capacity; ``None`` when not even one row fits. The caller
-            creates the file, then calls :meth:`commit_segment` or
-            :meth:`abandon_segment`.
+            ``(False, None)``: no room (the row is larger than the capacity, or
+            the capacity is held by pinned, protected or in-flight rows).
+            ``(True, ref)``: room reserved; ``ref`` is an evicted row of the
+            same group, now reserved for the caller, or ``None``: take a row
+            with :meth:`take_free` (growing the group when there is none), or
+            give the reservation back with :meth:`unreserve`.
 
         """
         row = self._row_nbytes[group_id]
-        num_rows = min(
-            self._rows_per_segment[group_id], (self.capacity_bytes - self.bytes_used) // row
-        )
-        if num_rows <= 0:
-            return None
-        seg = self._next_segment[group_id]
-        self._next_segment[group_id] = seg + 1
-        self.bytes_used += num_rows * row
-        return seg, num_rows
+        if row > self.capacity_bytes:
+            return False, None
+        need = self.bytes_used + row - self.capacity_bytes
+        victims: list[OffloadKey] = []
+        if need > 0:
+            freed = 0
+            for key, entry in self._lru.items():
+                if key in protect or entry.ref in self._pins:
+                    continue
+                victims.append(key)
+                freed += self._row_nbytes[key.group_id]
+                if freed >= need:
+                    break
+            else:
+                return False, None
+        own: RowRef | None = None
+        for key in victims:
+            entry = self._lru.pop(key)
+            self.evictions += 1
+            if own is None and entry.ref.group_id == group_id:
+                own = entry.ref  # its bytes stay counted: they are the reservation
+            else:
+                self._release(entry.ref)
+        if own is None:
+            self.bytes_used += row
+        return True, own
 
-    def commit_segment(self, group_id: int, segment: int, num_rows: int) -> None:
-        """Add the rows of a created segment to the free rows."""
-        self._segments[group_id][segment] = num_rows
-        for i in range(num_rows):
-            heapq.heappush(self._free[group_id], RowRef(group_id, segment, i))
-
-    def abandon_segment(self, group_id: int, num_rows: int) -> None:
-        """Return the capacity reserved by :meth:`plan_segment` (creation failed)."""
-        self.bytes_used -= num_rows * self._row_nbytes[group_id]
-
-    # -- allocation -------------------------------------------------------------
+    def unreserve(self, group_id: int) -> None:
+        """Give back a reservation of :meth:`reserve` that got no row."""
+        self.bytes_used -= self._row_nbytes[group_id]
 
     def take_free(self, group_id: int) -> RowRef | None:
-        """Reserve the lowest free row of a group (consecutive calls give consecutive rows)."""
+        """Take the lowest free row of a group for a reservation (None: grow first)."""
         free = self._free[group_id]
         return heapq.heappop(free) if free else None
 
-    def evict(self, group_id: int, protect: Container[OffloadKey]) -> RowRef | None:
-        """Drop the least recently used unpinned, unprotected key of a group.
+    def free_rows(self, group_id: int) -> int:
+        """Return the number of free rows of a group."""
+        return len(self._free[group_id])
 
-        Returns:
-            Its row, now reserved for the caller; ``None`` when no key qualifies.
-
-        """
-        lru = self._lru[group_id]
-        for key, entry in lru.items():
-            if key not in protect and entry.ref not in self._pins:
-                del lru[key]
-                self.evictions += 1
-                return entry.ref
-        return None
-
-    def release(self, ref: RowRef) -> None:
-        """Return a reserved or dropped row to the free rows (deferred while pinned)."""
+    def _release(self, ref: RowRef) -> None:
         if ref in self._pins:
             self._zombies.add(ref)
         else:
+            self.bytes_used -= self._row_nbytes[ref.group_id]
+            self._stale.append(ref)
+
+    def take_stale(self) -> list[RowRef]:
+        """Hand the stale rows to the caller, who blanks their trailers, then :meth:`reclaimed`."""
+        stale, self._stale = self._stale, []
+        return stale
+
+    def reclaimed(self, refs: Iterable[RowRef]) -> None:
+        """Rows from :meth:`take_stale` whose trailers were blanked become free."""
+        for ref in refs:
             heapq.heappush(self._free[ref.group_id], ref)
+
+    @property
+    def stale_rows(self) -> int:
+        """Rows waiting for :meth:`take_stale`."""
+        return len(self._stale)
 
     # -- writes -----------------------------------------------------------------
 
@@ -199,52 +318,59 @@ class RowIndex:
         """Publish a completed row write.
 
         The key becomes visible at ``ref`` unless it was discarded meanwhile or
-        a newer write (higher ``seq``) is already visible; then ``ref`` is freed.
-        A replaced older row is freed (deferred while a read pins it).
+        a newer write (higher ``seq``) was published; then ``ref`` becomes
+        stale. Publishing makes older writes of the key in flight unpublishable
+        (even if the key is evicted meanwhile). A replaced older row becomes
+        stale (a zombie while a read pins it).
 
         Returns:
             Whether the row became visible.
 
         """
-        lru = self._lru[key.group_id]
-        old = lru.get(key)
+        old = self._lru.get(key)
         if not self._end_write(key, seq) or (old is not None and old.seq > seq):
-            self.release(ref)
+            self._release(ref)
             return False
-        lru[key] = RowEntry(ref, start, stop, seq)
-        lru.move_to_end(key)
+        newer = {s for s in self._pending.pop(key, ()) if s > seq}
+        if newer:
+            self._pending[key] = newer
+        self._lru[key] = RowEntry(ref, start, stop, seq)
+        self._lru.move_to_end(key)
         if old is not None:
-            self.release(old.ref)
+            self._release(old.ref)
         return True
 
     def fail_write(self, key: OffloadKey, ref: RowRef, seq: int) -> None:
-        """Forget a failed write and free its row."""
+        """Forget a failed write; its row becomes stale (it may hold part of a trailer)."""
         self._end_write(key, seq)
-        self.release(ref)
+        self._release(ref)
 
     # -- lookups and reads ------------------------------------------------------
 
     def lookup(self, key: OffloadKey) -> RowEntry | None:
         """Return the visible entry of a key, or None (does not touch the LRU)."""
-        lru = self._lru.get(key.group_id)
-        return None if lru is None else lru.get(key)
+        return self._lru.get(key)
 
     def keys(self) -> list[OffloadKey]:
         """All visible keys, groups in id order, least recently used first."""
-        return [k for g in sorted(self._lru) for k in self._lru[g]]
+        return sorted(self._lru, key=lambda k: k.group_id)
+
+    def lru_keys(self) -> list[OffloadKey]:
+        """All visible keys of all groups, least recently used first."""
+        return list(self._lru)
 
     def __len__(self) -> int:
-        return sum(len(lru) for lru in self._lru.values())
+        return len(self._lru)
 
     def pin(self, key: OffloadKey) -> RowEntry | None:
-        """Look up a visible key and pin its row against reuse until :meth:`unpin`."""
-        entry = self.lookup(key)
+        """Look up a visible key and pin its row against eviction and reuse until :meth:`unpin`."""
+        entry = self._lru.get(key)
         if entry is not None:
             self._pins[entry.ref] = self._pins.get(entry.ref, 0) + 1
         return entry
 
     def unpin(self, ref: RowRef) -> None:
-        """Undo one :meth:`pin`; a row dropped meanwhile becomes free now."""
+        """Undo one :meth:`pin`; a row dropped meanwhile becomes stale now."""
         n = self._pins[ref] - 1
         if n:
             self._pins[ref] = n
@@ -252,34 +378,28 @@ class RowIndex:
         del self._pins[ref]
         if ref in self._zombies:
             self._zombies.discard(ref)
-            heapq.heappush(self._free[ref.group_id], ref)
+            self._release(ref)
 
     def touch(self, key: OffloadKey) -> None:
         """Mark a visible key most recently used."""
-        lru = self._lru[key.group_id]
-        if key in lru:
-            lru.move_to_end(key)
+        if key in self._lru:
+            self._lru.move_to_end(key)
 
     def drop(self, key: OffloadKey, ref: RowRef | None = None) -> bool:
-        """Forget a visible key (only if it is still at ``ref`` when given); free its row.
+        """Forget a visible key (only if it is still at ``ref`` when given); its row goes stale.
 
         Returns:
             Whether the key was dropped.
 
         """
-        lru = self._lru.get(key.group_id)
-        entry = None if lru is None else lru.get(key)
-        if lru is None or entry is None or (ref is not None and entry.ref != ref):
+        entry = self._lru.get(key)
+        if entry is None or (ref is not None and entry.ref != ref):
             return False
-        del lru[key]
-        self.release(entry.ref)
+        del self._lru[key]
+        self._release(entry.ref)
         return True
 
     def discard(self, key: OffloadKey) -> None:
         """Forget a key: drop it and keep writes in flight from publishing it."""
         self._pending.pop(key, None)
         self.drop(key)
-
-    def free_rows(self, group_id: int) -> int:
-        """Return the number of free rows of a group."""
-        return len(self._free[group_id])

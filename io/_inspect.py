@@ -50,6 +50,9 @@ def _inspect_segment(path: pathlib.Path, digest: bytes | None, group_id: int) ->
         header_valid=digest is None or header.digest == digest,
         row_nbytes=header.row_nbytes,
         rows=header.num_rows,
+        allocated_rows=min(
+            header.num_rows, max(0, (info["nbytes"] - HEADER_NBYTES) // header.row_nbytes)
+        ),
         valid_rows=valid,
         invalid_rows=invalid,
     )
@@ -68,7 +71,8 @@ def inspect_root(root: str | os.PathLike[str]) -> dict[str, Any]:
     Returns:
         ``{"root": str, "namespaces": [{"directory", "format" (format.json or
         None), "locked_by_pid", "groups": {group_id: {"segments": [...],
-        "rows", "valid_rows", "invalid_rows"}}}]}``.
+        "rows", "valid_rows", "invalid_rows"}}}]}``; a segment's ``rows``
+        is its header's row count, ``allocated_rows`` the rows its file holds.
 
     Raises:
         FileNotFoundError, NotADirectoryError: ``root`` is not a directory.

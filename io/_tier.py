@@ -38,6 +38,9 @@ __all__ = ["FAILURE_KINDS", "NVMeTier"]
 
 T = TypeVar("T")
 
+GROW_NBYTES = 16 << 20
+"""Largest growth step of a segment file (bytes)."""
+
 
 class NVMeTier:
     """Rows of offload keys in per-group segment files under one namespace directory.
@@ -57,14 +60,24 @@ class NVMeTier:
         root: parent folder of all namespaces (created if missing).
         namespace: the user's label (model id, rank); sanitized into the
             directory name ``<namespace>-<digest16>``.
-        capacity_bytes: bound on ``rows * row_nbytes`` over all groups.
+        capacity_bytes: bound on the bytes of rows in use (visible keys and
+            writes in flight), all groups together. When a write needs room,
+            the least recently used keys of any group are evicted; their rows
+            become free rows of their own group, deallocated with a punched
+            hole where the filesystem supports it. Disk blocks then exceed
+            it by at most one growth step per group (plus headers); the
+            files' apparent sizes also keep the holes.
         layout_description: ``KVLayout.describe()`` (JSON-able).
         blocks_per_chunk: GPU blocks per chunk (bounds stored ranges).
         group_nbytes: group id -> unpadded payload bytes of one chunk.
         io_backend: ``"auto"``, ``"posix"`` or ``"kvikio"``.
         direct_io: ``"auto"``, ``"on"`` or ``"off"``.
         io_threads: worker threads (bounds the I/O requests in flight).
-        segment_nbytes: size of a new segment file (header included).
+        segment_nbytes: largest size of a segment file (header included).
+            Files are not preallocated: they grow in steps of
+            ``min(segment_nbytes - 4096, 16 MiB, capacity_bytes / (4 * groups))``
+            bytes (at least one row), with ``posix_fallocate`` (``ftruncate``
+            where unsupported).
         request_nbytes: cap of one coalesced read or write request (bytes);
             a single row is never split.
         row_io_wrapper: wraps the selected backend (fault injection, counting).
@@ -139,7 +152,11 @@ class NVMeTier:
         self._run_rows = {
             g: max(1, min(IOV_MAX, request_nbytes // r)) for g, r in self._row_nbytes.items()
         }
-        self._index = RowIndex(self._row_nbytes, capacity_bytes, rows_per_segment)
+        step_nbytes = min(
+            segment_nbytes - HEADER_NBYTES, GROW_NBYTES, capacity_bytes // (4 * len(self._specs))
+        )
+        grow_rows = {g: max(1, step_nbytes // r) for g, r in self._row_nbytes.items()}
+        self._index = RowIndex(self._row_nbytes, capacity_bytes, rows_per_segment, grow_rows)
         self._options = (io_backend, direct_io, io_threads, row_io_wrapper)
         self._state = "new"
         self._row_io: RowIO | None = None
@@ -159,6 +176,7 @@ class NVMeTier:
         self._counts.update({f"failures_{k}": 0 for k in FAILURE_KINDS})
         self._counts.update(invalid_rows_at_open=0, invalid_segments_at_open=0)
         self._counts.update(read_requests=0, write_requests=0, direct_io_fallback=0)
+        self._counts.update(reclaim_failures=0)
 
     # -- sizes ------------------------------------------------------------------
 
@@ -264,6 +282,7 @@ class NVMeTier:
         try:
             while self._tasks:
                 await asyncio.wait(list(self._tasks))
+            await _batches.reclaim(self)
             if self._dirty:
                 await self._sync_once()
         finally:
@@ -299,20 +318,24 @@ class NVMeTier:
     def discard(self, key: OffloadKey) -> None:
         """Forget a key; its row becomes free (later, if a read still uses it).
 
-        Writes of the key in flight will not make it visible. The row's bytes
-        stay on disk until reused, so a restart may find the key again.
+        Writes of the key in flight will not make it visible. The row's
+        trailer is blanked by the next write or :meth:`close`; a restart
+        before that may find the key again.
         """
         self._index.discard(key)
 
     def stats(self) -> dict[str, int | float | bool | str]:
         """Counters: bytes in bytes, times in seconds (summed over calls).
 
-        Keys: ``rows_resident``, ``bytes_used``, ``capacity_bytes``,
-        ``read_bytes``, ``read_seconds``, ``write_bytes``, ``write_seconds``,
+        Keys: ``rows_resident``, ``bytes_used`` (rows of visible keys and
+        writes in flight; ``<= capacity_bytes``), ``capacity_bytes``,
+        ``bytes_allocated`` (rows allocated in segment files, free ones
+        included), ``read_bytes``, ``read_seconds``, ``write_bytes``, ``write_seconds``,
         ``read_requests``, ``write_requests``, ``failures_<kind>`` for every
         kind in :data:`FAILURE_KINDS`, ``checksum_failures``, ``evictions``,
         ``direct_io``, ``direct_io_fallback``, ``backend``,
-        ``invalid_rows_at_open``, ``invalid_segments_at_open``, ``segments``.
+        ``invalid_rows_at_open``, ``invalid_segments_at_open``, ``segments``,
+        ``reclaim_failures`` (stale rows whose trailer could not be blanked).
         """
         out: dict[str, int | float | bool | str] = {
             k: (v if k.endswith("seconds") else int(v)) for k, v in self._counts.items()
@@ -321,6 +344,7 @@ class NVMeTier:
             rows_resident=len(self._index),
             bytes_used=self._index.bytes_used,
             capacity_bytes=self._index.capacity_bytes,
+            bytes_allocated=self._index.allocated_nbytes,
             checksum_failures=int(self._counts["failures_checksum"]),
             evictions=self._index.evictions,
             direct_io=bool(self._row_io is not None and self._row_io.direct),
@@ -345,7 +369,10 @@ class NVMeTier:
         Returns:
             Per row ``None`` or a :class:`StorageError` (kinds ``eio``,
             ``enospc``, ``einval``, ``short_write``, ``capacity``, ...). A
-            failed row is freed; other rows are unaffected.
+            failed row is freed; other rows are unaffected. ``capacity``: the
+            row is larger than ``capacity_bytes``, or no room is left even
+            after evicting every key that is not pinned by a read, in flight
+            or part of this call (then nothing is evicted for it).
 
         Raises:
             InvalidArgumentError: bad key, range, buffer or a duplicate key

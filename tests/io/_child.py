@@ -3,6 +3,8 @@
 Commands:
     hold ROOT            open a tier, print "ready", sleep until killed
     read ROOT N          open a tier, read keys 0..N-1 of groups 0..2, print JSON
+    dump ROOT JSON       open a tier with tier_kwargs overrides JSON, read every
+                         visible key, print {"g:hash": [start, stop, sha256]}
     zygote ROOT          for every "go ITER" line on stdin: fork a writer child,
                          print its pid, reap it, print "reaped"
 """
@@ -45,6 +47,30 @@ async def _read(root: str, n: int) -> None:
             out[name] = [r[0], r[1], hashlib.sha256(buf[: GROUP_NBYTES[k.group_id]]).hexdigest()]
         else:
             out[name] = getattr(r, "kind", repr(r))
+    await tier.close()
+    print(json.dumps(out), flush=True)
+
+
+async def _dump(root: str, overrides: str) -> None:
+    over = json.loads(overrides)
+    if "group_nbytes" in over:
+        over["group_nbytes"] = {int(g): n for g, n in over["group_nbytes"].items()}
+    tier = NVMeTier(**tier_kwargs(root, **over))
+    await tier.open()
+    keys = tier.keys()
+    group_nbytes = over.get("group_nbytes", GROUP_NBYTES)
+    slot = max(tier.row_nbytes(g) for g in group_nbytes)
+    mm = mmap.mmap(-1, max(1, len(keys)) * slot)
+    view = memoryview(mm)
+    bufs = [view[j * slot : (j + 1) * slot] for j in range(len(keys))]
+    results = await tier.read_rows(list(zip(keys, bufs, strict=True)))
+    out = {}
+    for k, buf, r in zip(keys, bufs, results, strict=True):
+        name = f"{k.group_id}:{k.block_hash.decode()}"
+        nbytes = group_nbytes[k.group_id]
+        out[name] = (
+            [*r, hashlib.sha256(buf[:nbytes]).hexdigest()] if isinstance(r, tuple) else r.kind
+        )
     await tier.close()
     print(json.dumps(out), flush=True)
 
@@ -94,6 +120,8 @@ def main() -> None:
         asyncio.run(_hold(root))
     elif cmd == "read":
         asyncio.run(_read(root, int(sys.argv[3])))
+    elif cmd == "dump":
+        asyncio.run(_dump(root, sys.argv[3]))
     elif cmd == "zygote":
         _zygote(root)
     else:

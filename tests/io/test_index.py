@@ -11,31 +11,56 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvtier import OffloadKey
 from kvtier.io._index import RowIndex, RowRef
 
-KEYS = [OffloadKey(bytes([i + 1]), i % 2) for i in range(6)]
+ROWS = {0: 4096, 1: 8192, 2: 4096}
+KEYS = [OffloadKey(bytes([i + 1]), i % 3) for i in range(9)]
 
 
 class IndexMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.index = RowIndex(
-            {0: 4096, 1: 8192}, capacity_bytes=10 * 4096, rows_per_segment={0: 2, 1: 2}
+            ROWS,
+            capacity_bytes=6 * 4096,
+            rows_per_segment={0: 3, 1: 2, 2: 3},
+            grow_rows={0: 2, 1: 1, 2: 1},
         )
         self.reserved: list[tuple[OffloadKey, RowRef, int]] = []
+        self.reclaiming: list[RowRef] = []
         self.pinned: list[RowRef] = []
         self.published: dict[OffloadKey, int] = {}
 
-    @rule(g=st.sampled_from([0, 1]))
-    def add_segment(self, g: int) -> None:
-        plan = self.index.plan_segment(g)
-        if plan is not None:
-            self.index.commit_segment(g, *plan)
-
-    @rule(k=st.sampled_from(KEYS))
-    def begin(self, k: OffloadKey) -> None:
-        ref = self.index.take_free(k.group_id) or self.index.evict(k.group_id, {k})
-        if ref is not None:
-            assert ref.group_id == k.group_id
-            self.reserved.append((k, ref, self.index.begin_write(k)))
+    @rule(k=st.sampled_from(KEYS), grow_fails=st.booleans())
+    def write(self, k: OffloadKey, grow_fails: bool) -> None:
+        g = k.group_id
+        pins = set(self.pinned)
+        evictable = [
+            key
+            for key in self.index.lru_keys()
+            if key != k and self.index.lookup(key).ref not in pins
+        ]
+        before = set(self.index.lru_keys())
+        ok, ref = self.index.reserve(g, {k})
+        evicted = [key for key in evictable if key not in set(self.index.lru_keys())]
+        assert before - set(self.index.lru_keys()) == set(evicted)
+        assert evicted == evictable[: len(evicted)]  # global LRU: oldest first, any group
+        if not ok:
+            assert not evicted
+            assert ROWS[g] > self.index.capacity_bytes - self.index.bytes_used + sum(
+                ROWS[key.group_id] for key in evictable
+            )
+            return
+        assert self.index.bytes_used <= self.index.capacity_bytes
+        while ref is None and (ref := self.index.take_free(g)) is None:
+            plan = self.index.plan_growth(g)
+            assert plan.group_id == g
+            assert plan.start < plan.stop <= plan.num_rows
+            if grow_fails:
+                self.index.abandon_growth(plan)
+                self.index.unreserve(g)
+                return
+            self.index.commit_growth(plan)
+        assert ref.group_id == g
+        self.reserved.append((k, ref, self.index.begin_write(k)))
 
     @precondition(lambda self: self.reserved)
     @rule(i=st.integers(0, 100), ok=st.booleans())
@@ -47,6 +72,16 @@ class IndexMachine(RuleBasedStateMachine):
                 self.published[k] = seq
         else:
             self.index.fail_write(k, ref, seq)
+
+    @rule()
+    def take_stale(self) -> None:
+        self.reclaiming += self.index.take_stale()
+
+    @precondition(lambda self: self.reclaiming)
+    @rule()
+    def reclaimed(self) -> None:
+        self.index.reclaimed(self.reclaiming)
+        self.reclaiming = []
 
     @rule(k=st.sampled_from(KEYS))
     def pin(self, k: OffloadKey) -> None:
@@ -75,37 +110,42 @@ class IndexMachine(RuleBasedStateMachine):
     def every_row_in_exactly_one_state(self) -> None:
         all_rows = Counter(
             RowRef(g, seg, i)
-            for g in (0, 1)
-            for seg, n in self.index.segments(g).items()
-            for i in range(n)
+            for g in ROWS
+            for seg, (_, allocated) in self.index.segments(g).items()
+            for i in range(allocated)
         )
-        free = [r for g in (0, 1) for r in self.index._free[g]]
+        free = [r for g in ROWS for r in self.index._free[g]]
         visible = [self.index.lookup(k).ref for k in KEYS if self.index.lookup(k) is not None]
         reserved = [r for _, r, _ in self.reserved]
         zombies = list(self.index._zombies)
-        held = Counter(free + visible + reserved + zombies)
+        stale = list(self.index._stale) + self.reclaiming
+        held = Counter(free + visible + reserved + zombies + stale)
         assert held == all_rows
-        assert not set(self.pinned) & set(free)
+        assert not set(self.pinned) & set(free + stale)
         assert set(zombies) <= set(self.pinned)
+        used = sum(ROWS[r.group_id] for r in visible + reserved + zombies)
+        assert self.index.bytes_used == used
+        assert self.index.allocated_nbytes == sum(ROWS[r.group_id] for r in all_rows)
 
     @invariant()
     def capacity_and_keys(self) -> None:
         assert self.index.bytes_used <= self.index.capacity_bytes
         keys = self.index.keys()
         assert len(self.index) == len(keys)
+        assert [k.group_id for k in keys] == sorted(k.group_id for k in keys)
         for k in keys:
             assert self.index.lookup(k).seq == self.published[k]
 
 
-IndexMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+IndexMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
 TestIndexMachine = IndexMachine.TestCase
 
 
 def test_rebuild_highest_seq_wins_and_lru_follows_seq() -> None:
-    index = RowIndex({0: 4096}, capacity_bytes=1 << 20, rows_per_segment={0: 4})
+    index = RowIndex({0: 4096}, 1 << 20, rows_per_segment={0: 4}, grow_rows={0: 4})
     a, b = OffloadKey(b"a", 0), OffloadKey(b"b", 0)
     index.rebuild(
-        {(0, 0): 4, (0, 3): 2},
+        {(0, 0): (4, 4), (0, 3): (4, 2)},
         [
             (RowRef(0, 0, 0), a, 0, 1, 5),
             (RowRef(0, 0, 1), a, 0, 2, 9),
@@ -115,7 +155,75 @@ def test_rebuild_highest_seq_wins_and_lru_follows_seq() -> None:
     assert index.lookup(a).ref == RowRef(0, 0, 1)
     assert index.lookup(a).stop == 2
     assert index.keys() == [b, a]  # by seq: b (7) is less recently used than a (9)
-    assert index.free_rows(0) == 4 + 2 - 2
-    assert index.take_free(0) == RowRef(0, 0, 0)  # the stale duplicate row is free
-    assert index.plan_segment(0)[0] == 4  # numbering continues after the highest
+    assert index.bytes_used == 2 * 4096
+    assert index.allocated_nbytes == 6 * 4096
+    assert index.free_rows(0) == 6 - 3
+    assert index.take_stale() == [RowRef(0, 0, 0)]  # the stale duplicate: blank it first
+    assert index.take_free(0) == RowRef(0, 0, 2)
+    plan = index.plan_growth(0)  # segment 3 is not full: it grows before a new one
+    assert (plan.segment, plan.start, plan.stop, plan.new) == (3, 2, 4, False)
     assert index.begin_write(a) == 10  # sequence numbers continue too
+
+
+def test_rebuild_over_capacity_evicts_oldest() -> None:
+    index = RowIndex({0: 4096, 1: 8192}, 3 * 4096, {0: 8, 1: 8}, {0: 1, 1: 1})
+    keys = [OffloadKey(bytes([i]), i % 2) for i in range(4)]  # rows 4+8+4+8 KiB
+    index.rebuild(
+        {(0, 0): (8, 2), (1, 0): (8, 2)},
+        [(RowRef(k.group_id, 0, i // 2), k, 0, 1, 10 + i) for i, k in enumerate(keys)],
+    )
+    assert index.lru_keys() == keys[2:]  # the newest 4 + 8 KiB fit; 0 and 1 (oldest) went
+    assert index.bytes_used == 3 * 4096
+    assert index.evictions == 2
+    assert sorted(index.take_stale()) == [RowRef(0, 0, 0), RowRef(1, 0, 0)]
+
+
+def test_reserve_evicts_across_groups_and_hands_back_own_row() -> None:
+    index = RowIndex({0: 4096, 1: 8192}, 4 * 4096, {0: 8, 1: 8}, {0: 8, 1: 8})
+    a0, b1, c0 = OffloadKey(b"a", 0), OffloadKey(b"b", 1), OffloadKey(b"c", 0)
+    for k in (a0, b1, c0):
+        ok, ref = index.reserve(k.group_id, set())
+        assert ok
+        assert ref is None
+        ref = index.take_free(k.group_id)
+        if ref is None:
+            index.commit_growth(index.plan_growth(k.group_id))
+            ref = index.take_free(k.group_id)
+        assert index.finish_write(k, ref, index.begin_write(k), 0, 1)
+    assert index.bytes_used == 4 * 4096
+    # group 1 needs 8 KiB: a (4 KiB, group 0) then b (8 KiB, its own group) are the oldest
+    index.touch(c0)
+    ok, own = index.reserve(1, set())
+    assert ok
+    assert own == RowRef(1, 0, 0)  # b's row, reserved for the writer
+    assert index.lru_keys() == [c0]
+    assert index.take_stale() == [RowRef(0, 0, 0)]  # a's row: blanked, then free for group 0
+    d1 = OffloadKey(b"d", 1)
+    assert index.finish_write(d1, own, index.begin_write(d1), 0, 1)
+    assert index.bytes_used == 3 * 4096
+    # a pinned or protected key is never evicted; failing evicts nothing
+    index.pin(c0)
+    assert index.reserve(0, set()) == (True, None)  # 4 KiB were still free
+    assert index.reserve(0, {d1}) == (False, None)
+    assert index.lru_keys() == [c0, d1]
+    index.unreserve(0)
+    big = RowIndex({0: 8192}, 4096, {0: 1}, {0: 1})
+    assert big.reserve(0, set()) == (False, None)
+
+
+def test_growth_steps_stay_within_the_disk_budget() -> None:
+    index = RowIndex({0: 4096, 1: 4096}, 4 * 4096, {0: 16, 1: 16}, {0: 3, 1: 3})
+    assert index.disk_budget_nbytes == 10 * 4096
+    p1 = index.plan_growth(0)
+    assert (p1.segment, p1.start, p1.stop, p1.new) == (0, 0, 3, True)
+    index.commit_growth(p1)
+    for _ in range(2):
+        index.commit_growth(index.plan_growth(1))
+    assert index.allocated_nbytes == 9 * 4096
+    p2 = index.plan_growth(0)
+    assert (p2.start, p2.stop) == (3, 4)  # one row left in the budget
+    index.commit_growth(p2)
+    p3 = index.plan_growth(0)
+    assert (p3.start, p3.stop) == (4, 5)  # over budget: still one row at a time
+    index.abandon_growth(p3)
+    assert index.allocated_nbytes == 10 * 4096
