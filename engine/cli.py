@@ -184,3 +184,7 @@ def inspect(root: str, as_json: bool) -> None:
                 f"    g{g}: rows={grp['rows']} valid={grp['valid_rows']} "
                 f"invalid={grp['invalid_rows']} segments={len(grp['segments'])}"
             )
+
+
+if __name__ == "__main__":
+    main()

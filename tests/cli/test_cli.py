@@ -1,0 +1,112 @@
+"""Smoke tests of the command line, each in a subprocess, as an operator runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def kvtier(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("layout", ["gemma-3-270m", "qwen3-next"])
+def test_bench_tiny_size_reports_every_phase_and_cleans_up(tmp_path: Path, layout: str) -> None:
+    out = tmp_path / "bench.json"
+    plot = tmp_path / "bench.png"
+    res = kvtier(
+        "bench",
+        "--layout",
+        layout,
+        "--size",
+        "24M",
+        "--repeat",
+        "1",
+        "--blocks-per-chunk",
+        "4",
+        "--json",
+        str(out),
+        "--plot",
+        str(plot),
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "nvme_write" in res.stdout
+    result = json.loads(out.read_text())
+    phases = result["phases"]
+    assert set(phases) == {"store", "load", "nvme_write", "nvme_read"}
+    for p in phases.values():
+        assert p["gbps"] > 0
+        assert p["p99_ms"] >= p["p50_ms"] > 0, p
+    assert phases["nvme_write"]["ratio_vs_raw_sequential"] > 0
+    assert phases["nvme_read"]["ratio_vs_file_per_chunk"] > 0
+    assert result["io"]["verified_repeats"] == 1
+    assert result["io"]["tmpdir_removed"] is True
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("kvtier-bench-")] == []
+
+
+def test_bench_json_layout_file(tmp_path: Path) -> None:
+    spec = {
+        "name": "custom",
+        "dtype": "float16",
+        "tokens_per_block": 8,
+        "layers": [
+            {"kind": "full", "page_shape": [2, 8, 2, 64]},
+            {"kind": "sliding", "page_shape": [2, 8, 2, 64]},
+        ],
+    }
+    path = tmp_path / "layout.json"
+    path.write_text(json.dumps(spec))
+    res = kvtier(
+        "bench", "--layout", str(path), "--size", "4M", "--repeat", "1", "--no-nvme", cwd=tmp_path
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "custom" in res.stdout
+
+
+def test_bench_rejects_bad_options(tmp_path: Path) -> None:
+    assert kvtier("bench", "--size", "lots", cwd=tmp_path).returncode != 0
+    res = kvtier("bench", "--layout", "no-such-model", "--size", "1M", cwd=tmp_path)
+    assert res.returncode != 0
+    assert "unknown layout" in res.stderr
+
+
+def test_inspect_lists_namespaces_and_rows(tmp_path: Path) -> None:
+    code = (
+        "import asyncio, torch, kvtier\n"
+        "async def main():\n"
+        "    layout = kvtier.KVLayout.from_tensors({0: {'a': torch.ones(8, 4096, dtype=torch.uint8)},"
+        " 1: {'b': torch.ones(8, 1024, dtype=torch.uint8)}})\n"
+        f"    nv = kvtier.NVMeConfig(root={str(tmp_path)!r}, capacity_bytes=1 << 24, namespace='ns1',"
+        " segment_nbytes=1 << 20)\n"
+        "    async with kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 2, nvme=nv)) as e:\n"
+        "        await e.store([kvtier.Chunk(kvtier.OffloadKey(bytes([i + 1]), i % 2), [i]) for i in range(5)],"
+        " durable=True)\n"
+        "asyncio.run(main())\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=REPO)
+    res = kvtier("inspect", str(tmp_path), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "namespace=ns1" in res.stdout
+    assert "g0: rows=" in res.stdout
+    info = json.loads(kvtier("inspect", str(tmp_path), "--json", cwd=tmp_path).stdout)
+    (ns,) = info["namespaces"]
+    assert ns["groups"]["0"]["valid_rows"] == 3
+    assert ns["groups"]["1"]["valid_rows"] == 2
