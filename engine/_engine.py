@@ -26,10 +26,12 @@ from kvtier.errors import (
     BlockIdError,
     BudgetError,
     ChunkRangeError,
+    ConfigError,
     DuplicateKeyError,
     EngineClosedError,
     InvalidArgumentError,
     KeyNotResidentError,
+    NotDurableError,
     NotStoredError,
     TransferError,
 )
@@ -99,6 +101,8 @@ class TransferEngine:
 
     Raises:
         BudgetError: ``cpu_bytes`` cannot hold one slot.
+        ConfigError: the NVMe ``capacity_bytes`` cannot hold one row of the
+            largest group.
         InvalidArgumentError: ``layout`` / ``config`` have the wrong type.
 
     """
@@ -123,6 +127,12 @@ class TransferEngine:
             )
         self._offsets = {g: layout.layer_offsets(g, bpc) for g in layout.group_ids}
         self._group_nbytes = {g: layout.group_nbytes(g, bpc) for g in layout.group_ids}
+        if config.nvme is not None and config.nvme.capacity_bytes < self.slot_nbytes:
+            # A row of the largest group is slot_nbytes long (payload + trailer).
+            raise ConfigError(
+                f"NVMeConfig.capacity_bytes={config.nvme.capacity_bytes} cannot hold one "
+                f"{self.slot_nbytes}-byte row of the largest group (blocks_per_chunk={bpc})"
+            )
         self._alias_class = self._alias_classes(layout)
         self._state = "new"
         self._region: HostRegion | None = None
@@ -132,6 +142,7 @@ class TransferEngine:
         self._scheduled: dict[Direction, bool] = {"store": False, "load": False}
         self._ready: dict[OffloadKey, asyncio.Future[bool]] = {}
         self._tasks: set[asyncio.Future[Any]] = set()
+        self._close_task: asyncio.Task[None] | None = None
         self._c = _Counters()
         self._nvme: Any = None
         self._writer: Any = None
@@ -166,6 +177,7 @@ class TransferEngine:
 
         Raises:
             EngineClosedError: the engine was already started or closed.
+            BudgetError: the CPU pool of ``cpu_bytes`` cannot be allocated.
             ConfigError: the NVMe root is unusable.
             NamespaceLockedError: another engine holds the NVMe namespace.
 
@@ -175,7 +187,13 @@ class TransferEngine:
         self._state = "starting"
         loop = asyncio.get_running_loop()
         try:
-            region = HostRegion(self.num_slots * self.slot_nbytes, pin=self.config.pin_memory)
+            try:
+                region = HostRegion(self.num_slots * self.slot_nbytes, pin=self.config.pin_memory)
+            except (OSError, MemoryError, OverflowError) as exc:
+                raise BudgetError(
+                    f"cannot allocate the CPU pool: cpu_bytes={self.config.cpu_bytes} "
+                    f"({self.num_slots} slots of {self.slot_nbytes} bytes): {exc}"
+                ) from exc
             self._region = region
             await loop.run_in_executor(None, region.prefault)
             self._executors = {
@@ -212,19 +230,38 @@ class TransferEngine:
             hard: cancel background NVMe writes instead of draining them (keys
                 whose row was not fully written stay invisible on NVMe).
 
-        Idempotent. Waits for in-flight copies (they touch slots and GPU blocks).
+        Idempotent: every call returns only once the engine is closed (its
+        NVMe namespace lock released). Waits for calls in flight (their copies
+        touch slots and GPU blocks), then for the NVMe writes of their keys.
+
+        Cancellation: closing continues in the background; a later ``aclose``
+        waits for it.
 
         """
-        if self._state in ("closed", "closing"):
-            return
+        if self._state == "new":
+            self._state = "closed"
+        if self._close_task is None:
+            if self._state == "closed":
+                return
+            self._close_task = asyncio.get_running_loop().create_task(self._close(hard))
+            self._close_task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        elif hard and self._writer is not None:
+            self._writer.cancel()
+        await asyncio.shield(self._close_task)
+
+    async def _close(self, hard: bool) -> None:
         self._state = "closing"
+        writer = self._writer
         try:
-            if self._writer is not None:
-                if hard:
-                    self._writer.cancel()
-                await self._writer.drain()
-            while self._tasks:
-                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            while True:
+                if hard and writer is not None:
+                    writer.cancel()
+                if self._tasks:  # stores finishing now queue row writes: loop again
+                    await asyncio.gather(*list(self._tasks), return_exceptions=True)
+                elif writer is not None and writer.busy:
+                    await writer.drain()
+                else:
+                    break
         finally:
             self._state = "closed"
             await self._release()
@@ -257,10 +294,19 @@ class TransferEngine:
             only a fully written row exists, else ``MISS``.
 
         Raises:
+            InvalidArgumentError: ``keys`` is not an iterable of :class:`OffloadKey`.
             EngineClosedError: the engine is not open.
 
         """
         self._check_open()
+        if isinstance(keys, OffloadKey | str | bytes) or not isinstance(keys, Iterable):
+            raise InvalidArgumentError(
+                f"keys must be an iterable of kvtier.OffloadKey, got {type(keys).__name__}"
+            )
+        keys = list(keys)
+        for key in keys:
+            if not isinstance(key, OffloadKey):
+                raise InvalidArgumentError(f"expected kvtier.OffloadKey, got {type(key).__name__}")
         out = []
         for key in keys:
             entry = self._pool.get(key)
@@ -276,6 +322,7 @@ class TransferEngine:
         """Number of leading keys that a load can serve (``CPU``, ``NVME`` or ``PENDING``).
 
         Raises:
+            InvalidArgumentError: ``keys`` is not an iterable of :class:`OffloadKey`.
             EngineClosedError: the engine is not open.
 
         """
@@ -344,6 +391,9 @@ class TransferEngine:
         Raises:
             InvalidArgumentError: bad chunks (subclasses name the rule); nothing changed.
             EngineClosedError: the engine is not open.
+            NotDurableError: ``durable`` and some of the call's rows could not
+                be written (its ``result`` is the StoreResult; the keys stay in CPU slots).
+            StorageError: ``durable`` and the ``fdatasync`` failed.
 
         """
         self._check_open()
@@ -399,12 +449,16 @@ class TransferEngine:
                 self._pool.commit(key)
                 stored.append(key)
         p.ready.set_result(error is None and not ctx.cancelled)
+        result = StoreResult(tuple(stored), tuple(p.skipped), tuple(rejected))
         if stored and self._writer is not None and self.config.write_through:
             written = self._writer.enqueue([(k, p.by_key[k]) for k in stored])
             if durable:
-                await written
+                failed = await written
                 await self._nvme.flush()
-        return StoreResult(tuple(stored), tuple(p.skipped), tuple(rejected))
+                mine = {k: failed[k] for k in stored if k in failed}
+                if mine:
+                    raise NotDurableError(mine, result)
+        return result
 
     def _copy(self, chunk: Chunk, slot: int) -> ChunkCopy:
         assert self._region is not None
@@ -593,7 +647,14 @@ class TransferEngine:
         segment files they went to (batched). No-op without NVMe.
 
         Raises:
+            NotDurableError: rows of keys stored before the call could not be
+                written since the last flush reported them (``failed`` names the
+                keys; they stay in CPU slots, a restart will not find them).
+            StorageError: an ``fdatasync`` failed (the next flush retries it).
             EngineClosedError: the engine is not open.
+
+        Cancellation: the writes continue; other flushes and durable stores
+        waiting for the same rows are not affected.
 
         """
         self._check_open()

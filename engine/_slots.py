@@ -83,7 +83,10 @@ class SlotPool:
     def __init__(self, num_slots: int, policy: EvictionPolicy) -> None:
         self.num_slots = num_slots
         self.policy = policy
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        # Freed slots (reused last-in first-out), then the never used ones from
+        # ``_unused`` up: O(1) memory at construction, whatever num_slots is.
+        self._free: list[int] = []
+        self._unused = 0
         self._entries: dict[OffloadKey, SlotEntry] = {}
         self.evictions = 0
 
@@ -99,12 +102,12 @@ class SlotPool:
     @property
     def free_count(self) -> int:
         """Slots in state ``free``."""
-        return len(self._free)
+        return len(self._free) + self.num_slots - self._unused
 
     def count(self, state: SlotState) -> int:
         """Slots in ``state``."""
         if state is SlotState.FREE:
-            return len(self._free)
+            return self.free_count
         return sum(1 for e in self._entries.values() if e.state is state)
 
     # -------------------------------------------------------------- transitions
@@ -126,7 +129,7 @@ class SlotPool:
             room, keys evicted)``.
 
         """
-        need = max(0, len(requests) - len(self._free))
+        need = max(0, len(requests) - self.free_count)
         victims: list[SlotEntry] = []
         if need:
             for key in self.policy.candidates():
@@ -146,13 +149,19 @@ class SlotPool:
         for key, start, stop, nbytes in requests:
             if key in self._entries:
                 raise SlotStateError(f"reserve of present key {key}")
-            if not self._free:
+            if not self.free_count:
                 rejected.append(key)
                 continue
-            entry = SlotEntry(key, self._free.pop(), start, stop, True, 0, nbytes)
+            entry = SlotEntry(key, self._take_free(), start, stop, True, 0, nbytes)
             self._entries[key] = entry
             reserved.append(entry)
         return reserved, rejected, [v.key for v in victims]
+
+    def _take_free(self) -> int:
+        if self._free:
+            return self._free.pop()
+        self._unused += 1
+        return self._unused - 1
 
     def commit(self, key: OffloadKey) -> None:
         """``writing -> resident``: the store's copy completed."""

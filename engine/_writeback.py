@@ -4,8 +4,10 @@ Write-through: keys whose store completed are pinned and handed to
 :meth:`kvtier.io.NVMeTier.write_rows` in batches (everything stored while the
 previous batch was being written goes in the next one, so rows of one batch
 land in consecutive file offsets). A slot stays pinned until its row write has
-finished. Promotion: an NVMe-only key is read into a freshly reserved slot,
-verified by the tier, and becomes a resident CPU key.
+finished. A row that fails is remembered until a ``flush()`` covering it
+reports it (:class:`~kvtier.errors.NotDurableError`). Promotion: an NVMe-only
+key is read into a freshly reserved slot, verified by the tier, and becomes a
+resident CPU key.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from kvtier._types import Chunk, OffloadKey
-from kvtier.errors import KVTierError, storage_error_kind
+from kvtier.errors import KVTierError, NotDurableError, storage_error_kind
 
 if TYPE_CHECKING:
     from kvtier._engine import TransferEngine
     from kvtier.io import NVMeTier
 
 _MAX_BATCHES_IN_FLIGHT = 2
+
+Failures = dict[OffloadKey, BaseException]
+"""The rows of a write batch that failed, by key."""
 
 
 async def open_tier(engine: TransferEngine) -> NVMeTier:
@@ -55,9 +60,12 @@ class NVMeWriter:
     def __init__(self, engine: TransferEngine, tier: NVMeTier) -> None:
         self._engine = engine
         self._tier = tier
-        self._pending: list[tuple[OffloadKey, Chunk]] = []
-        self._pending_done: asyncio.Future[None] | None = None
-        self._inflight: set[asyncio.Future[None]] = set()
+        self._pending: list[tuple[OffloadKey, Chunk, int]] = []
+        self._pending_done: asyncio.Future[Failures] | None = None
+        self._inflight: set[asyncio.Future[Failures]] = set()
+        self._enqueued = 0  # keys handed to write-through so far (their sequence)
+        self._failed: dict[OffloadKey, tuple[int, BaseException]] = {}  # not yet reported
+        self._flush_marks: dict[object, int] = {}  # flush calls in progress -> their mark
         self._tasks: set[asyncio.Task[None]] = set()
         self._sem = asyncio.Semaphore(_MAX_BATCHES_IN_FLIGHT)
         self.rows_written = 0
@@ -66,12 +74,19 @@ class NVMeWriter:
         self.promotion_failures = 0
 
     # ------------------------------------------------------------------ write-through
-    def enqueue(self, items: list[tuple[OffloadKey, Chunk]]) -> asyncio.Future[None]:
-        """Pin the keys' slots and queue their rows; the future completes when written."""
+    def enqueue(self, items: list[tuple[OffloadKey, Chunk]]) -> asyncio.Future[Failures]:
+        """Pin the keys' slots and queue their rows.
+
+        Returns:
+            A future (shared by the whole batch; never cancel it) set to the
+            batch's failed rows once every row of the batch was written or failed.
+
+        """
         pool = self._engine._pool
-        for key, _ in items:
+        for key, chunk in items:
             pool.pin(key)
-        self._pending.extend(items)
+            self._enqueued += 1
+            self._pending.append((key, chunk, self._enqueued))
         if self._pending_done is None:
             loop = asyncio.get_running_loop()
             self._pending_done = loop.create_future()
@@ -89,45 +104,82 @@ class NVMeWriter:
         task.add_done_callback(self._tasks.discard)
 
     async def _write(
-        self, batch: list[tuple[OffloadKey, Chunk]], done: asyncio.Future[None]
+        self, batch: list[tuple[OffloadKey, Chunk, int]], done: asyncio.Future[Failures]
     ) -> None:
         engine = self._engine
         pool = engine._pool
         region = engine._region
         assert region is not None
         views = []
+        failed: Failures = {}
         try:
             async with self._sem:
                 rows = []
-                for key, chunk in batch:
+                for key, chunk, _ in batch:
                     entry = pool.get(key)
                     assert entry is not None
                     view = region.buffer(entry.slot, engine.slot_nbytes)
                     views.append(view)
                     rows.append((key, chunk.offset, chunk.stop, view))
-                results = await asyncio.shield(self._tier.write_rows(rows))
-            for res in results:
+                try:
+                    results: list[BaseException | None] = await asyncio.shield(
+                        self._tier.write_rows(rows)
+                    )
+                except Exception as exc:  # the tier refused the whole call: every row failed
+                    results = [exc] * len(rows)
+            for (key, _, seq), res in zip(batch, results, strict=True):
                 if res is None:
                     self.rows_written += 1
+                    self._failed.pop(key, None)
                 else:
                     self.write_failures += 1
+                    failed[key] = res
+                    self._failed[key] = (seq, res)
         finally:
             for view in views:
                 view.release()
-            for key, _ in batch:
+            for key, _, _ in batch:
                 pool.unpin(key)
             self._inflight.discard(done)
             if not done.done():
-                done.set_result(None)
+                done.set_result(failed)
 
     async def flush(self) -> None:
-        """Wait for every row queued before the call, then make them durable."""
+        """Wait for every row queued before the call, then make them durable.
+
+        Raises:
+            NotDurableError: rows queued before the call failed since the last
+                flush that reported them (every flush in progress when they
+                are reported gets them too).
+            StorageError: an ``fdatasync`` failed.
+
+        Cancellation: the writes continue; other callers waiting for the same
+        rows are not affected; unreported failures stay for the next flush.
+
+        """
         if self._pending_done is not None:
             self._start_batch()
-        waits = list(self._inflight)
-        if waits:
-            await asyncio.gather(*waits)
-        await self._tier.flush()
+        token = object()
+        mark = self._flush_marks[token] = self._enqueued
+        try:
+            waits = list(self._inflight)
+            if waits:
+                await asyncio.wait(waits)  # never cancels the batch futures others share
+            await self._tier.flush()
+        finally:
+            del self._flush_marks[token]
+        failed = {k: exc for k, (seq, exc) in self._failed.items() if seq <= mark}
+        if failed:
+            covered = max(self._flush_marks.values(), default=0)  # flushes still running
+            for k in failed:
+                if self._failed[k][0] > covered:
+                    del self._failed[k]
+            raise NotDurableError(failed)
+
+    @property
+    def busy(self) -> bool:
+        """Whether rows are queued or being written."""
+        return bool(self._tasks or self._pending_done is not None)
 
     async def drain(self) -> None:
         """Wait for every queued and in-flight row write (used by ``aclose``)."""
@@ -139,12 +191,12 @@ class NVMeWriter:
     def cancel(self) -> None:
         """Drop rows not yet handed to the tier (hard stop); in-flight I/O still completes."""
         pool = self._engine._pool
-        for key, _ in self._pending:
+        for key, _, _ in self._pending:
             pool.unpin(key)
         self._pending = []
         if self._pending_done is not None:
             self._inflight.discard(self._pending_done)
-            self._pending_done.set_result(None)
+            self._pending_done.set_result({})
             self._pending_done = None
 
     def forget_cpu(self, key: OffloadKey) -> None:
@@ -179,9 +231,11 @@ class NVMeWriter:
             engine._ready[entry.key] = ready
         views = [region.buffer(e.slot, engine.slot_nbytes) for e in entries]
         try:
-            results = await asyncio.shield(
+            results: list[tuple[int, int] | BaseException] = await asyncio.shield(
                 self._tier.read_rows([(e.key, v) for e, v in zip(entries, views, strict=True)])
             )
+        except Exception as exc:  # the tier refused the whole call: no slot may stay writing
+            results = [exc] * len(entries)
         finally:
             for view in views:
                 view.release()

@@ -9,6 +9,7 @@ Backend errors are re-raised ``from`` the original exception.
 from __future__ import annotations
 
 import errno
+from typing import Any
 
 
 class KVTierError(Exception):
@@ -79,6 +80,31 @@ class StorageError(KVTierError, OSError):
 
     def __str__(self) -> str:
         return f"[{self.kind}] {self.strerror}"
+
+
+class NotDurableError(StorageError):
+    """``flush()`` or ``store(durable=True)``: some rows could not be written to NVMe.
+
+    The keys stay in their CPU slots (loadable until evicted) but are not on
+    NVMe; a restart will not find them. ``kind`` is the kind of the first failure.
+
+    Attributes:
+        failed: ``{OffloadKey: StorageError}`` of the rows that failed.
+        result: the :class:`~kvtier.StoreResult` of a ``store(durable=True)``
+            call (its ``stored`` keys are in CPU slots), else None.
+
+    """
+
+    def __init__(self, failed: dict[Any, BaseException], result: Any = None) -> None:
+        first = next(iter(failed.values()))
+        shown = ", ".join(f"{k} [{storage_error_kind(e)}]" for k, e in list(failed.items())[:4])
+        more = f" and {len(failed) - 4} more" if len(failed) > 4 else ""
+        super().__init__(
+            storage_error_kind(first),
+            f"{len(failed)} row(s) are not durable on NVMe: {shown}{more}",
+        )
+        self.failed = failed
+        self.result = result
 
 
 class AlignmentError(InvalidArgumentError):

@@ -1,0 +1,175 @@
+"""A RowIO wrapper that injects faults into the rows of chosen keys (real backend, real files).
+
+Rows are recognised by their trailer, the last 4 KiB of every row buffer: on a
+write the engine has sealed it before the request; on a read it is known once
+the real read returned, so read faults are decided after the real I/O (an EIO
+may leave garbage in the slot, which the tier must never use).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.errors import StorageError
+from kvtier.io import RowIO
+from kvtier.io._format import TRAILER_NBYTES, decode_trailer
+
+
+@dataclass
+class KeyFault:
+    """One fault.
+
+    Attributes:
+        op: ``"write"``, ``"read"``, ``"fdatasync"`` or ``"allocate"``.
+        action: ``"errno"`` (raise ``OSError(err)``), ``"short"`` (rows
+            before the target in full, then ``keep`` bytes of it; returns that
+            count), ``"torn"`` (write only the payload of the target row,
+            leaving the old trailer on disk, and report full success),
+            ``"block"`` (wait on ``gate`` before doing the real I/O),
+            ``"delay"`` (sleep ``delay_s`` before doing the real I/O).
+        hashes: block hashes of the target rows (empty: every row).
+        err: errno of an ``"errno"`` fault.
+        keep: bytes of the target row a short request moves.
+        times: how many requests to fail.
+        hits: requests failed so far.
+        gate: the event a ``"block"`` fault waits for.
+        delay_s: seconds a ``"delay"`` fault sleeps.
+
+    """
+
+    op: str
+    action: str
+    hashes: frozenset[bytes] = frozenset()
+    err: int = errno.EIO
+    keep: int = 0
+    times: int = 1 << 30
+    hits: int = 0
+    gate: threading.Event = field(default_factory=threading.Event)
+    delay_s: float = 0.0
+
+    def wait(self) -> None:
+        """A ``"block"`` or ``"delay"`` fault: wait before the real I/O (worker thread)."""
+        if self.action == "block":
+            self.gate.wait(30)
+        else:
+            time.sleep(self.delay_s)
+
+
+def row_hash(buf: memoryview) -> bytes | None:
+    """The block hash named by a row buffer's trailer, or None (no valid trailer)."""
+    mv = memoryview(buf).cast("B")
+    if mv.nbytes <= TRAILER_NBYTES:
+        return None
+    try:
+        return decode_trailer(mv[mv.nbytes - TRAILER_NBYTES :]).block_hash
+    except StorageError:
+        return None
+
+
+class KeyFaultIO:
+    """Delegates to a real RowIO; fails the requests that touch the rows of target keys."""
+
+    def __init__(self, inner: RowIO, faults: Sequence[KeyFault] = ()) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.direct = inner.direct
+        self.faults = list(faults)
+        self._lock = threading.Lock()
+
+    def _take(self, op: str, bufs: Sequence[memoryview] | None) -> tuple[KeyFault, int] | None:
+        """The first active fault of ``op`` matching a row of ``bufs`` and that row's index."""
+        hashes = [row_hash(b) for b in bufs] if bufs is not None else [None]
+        with self._lock:
+            for fault in self.faults:
+                if fault.op != op or fault.hits >= fault.times:
+                    continue
+                for i, h in enumerate(hashes):
+                    row = bufs is None or h is not None
+                    if row and (not fault.hashes or h in fault.hashes):
+                        fault.hits += 1
+                        return fault, i
+        return None
+
+    def open(self, path: str | os.PathLike[str], create: bool) -> Any:
+        return self.inner.open(path, create)
+
+    def pwritev(self, handle: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
+        hit = self._take("write", bufs)
+        if hit is None:
+            return self.inner.pwritev(handle, bufs, file_offset)
+        fault, i = hit
+        before = sum(memoryview(b).nbytes for b in bufs[:i])
+        if fault.action in ("block", "delay"):
+            fault.wait()
+            return self.inner.pwritev(handle, bufs, file_offset)
+        if fault.action == "errno":
+            raise OSError(fault.err, f"injected {errno.errorcode[fault.err]} on write")
+        if fault.action == "short":
+            n = self.inner.pwritev(handle, bufs[:i], file_offset) if i else 0
+            if n == before and fault.keep:
+                n += self.inner.pwritev(
+                    handle, [memoryview(bufs[i])[: fault.keep]], file_offset + before
+                )
+            return n
+        if fault.action == "torn":
+            target = memoryview(bufs[i])
+            n = self.inner.pwritev(handle, bufs[:i], file_offset) if i else 0
+            self.inner.pwritev(
+                handle, [target[: target.nbytes - TRAILER_NBYTES]], file_offset + before
+            )
+            after = file_offset + before + target.nbytes
+            if bufs[i + 1 :]:
+                self.inner.pwritev(handle, bufs[i + 1 :], after)
+            return sum(memoryview(b).nbytes for b in bufs)
+        raise AssertionError(fault.action)
+
+    def preadv(self, handle: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
+        waits = [f for f in self.faults if f.op == "read" and f.action in ("block", "delay")]
+        if waits and memoryview(bufs[0]).nbytes > TRAILER_NBYTES:  # a row read, not a scan
+            waits[0].wait()
+        n = self.inner.preadv(handle, bufs, file_offset)
+        hit = self._take("read", bufs)
+        if hit is None or hit[0].action in ("block", "delay"):
+            return n
+        fault, i = hit
+        if fault.action == "errno":
+            raise OSError(fault.err, f"injected {errno.errorcode[fault.err]} on read")
+        if fault.action == "short":
+            return min(n, sum(memoryview(b).nbytes for b in bufs[:i]) + fault.keep)
+        raise AssertionError(fault.action)
+
+    def fdatasync(self, handle: Any) -> None:
+        if self._take("fdatasync", None) is not None:
+            raise OSError(errno.EIO, "injected EIO on fdatasync")
+        self.inner.fdatasync(handle)
+
+    def allocate(self, handle: Any, nbytes: int) -> None:
+        hit = self._take("allocate", None)
+        if hit is not None:
+            raise OSError(hit[0].err, "injected failure of allocate")
+        self.inner.allocate(handle, nbytes)
+
+    def close(self, handle: Any) -> None:
+        self.inner.close(handle)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class Wrapper:
+    """``row_io_wrapper`` for :class:`kvtier.NVMeConfig`: remembers the KeyFaultIO it made."""
+
+    def __init__(self, *faults: KeyFault) -> None:
+        self.faults = list(faults)
+        self.io: KeyFaultIO | None = None
+
+    def __call__(self, inner: RowIO) -> RowIO:
+        self.io = KeyFaultIO(inner)
+        self.io.faults = self.faults  # shared: faults added later apply too
+        return self.io
