@@ -31,7 +31,8 @@ class NVMeConfig:
         direct_io: ``"auto"`` (probe O_DIRECT, fall back visibly), ``"on"``
             (raise if unsupported) or ``"off"``.
         io_threads: worker threads for row I/O.
-        segment_nbytes: size of one preallocated segment file in bytes.
+        segment_nbytes: largest size of one segment file in bytes (files grow
+            lazily in steps up to it).
         request_nbytes: largest single read/write request in bytes (4 KiB multiple).
         row_io_wrapper: wraps the chosen RowIO backend (fault injection, tracing).
 
