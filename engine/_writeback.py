@@ -13,11 +13,17 @@ resident CPU key.
 from __future__ import annotations
 
 import asyncio
+import pathlib
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from kvtier._types import Chunk, OffloadKey
-from kvtier.errors import KVTierError, NotDurableError, storage_error_kind
+from kvtier.errors import (
+    KVTierError,
+    NamespaceLockedError,
+    NotDurableError,
+    storage_error_kind,
+)
 
 if TYPE_CHECKING:
     from kvtier._engine import TransferEngine
@@ -50,8 +56,25 @@ async def open_tier(engine: TransferEngine) -> NVMeTier:
         request_nbytes=cfg.request_nbytes,
         row_io_wrapper=cfg.row_io_wrapper,
     )
-    await tier.open()
+    try:
+        await tier.open()
+    except NamespaceLockedError as exc:
+        loop = asyncio.get_running_loop()
+        holder = await loop.run_in_executor(None, _lock_holder, tier.directory / "lock")
+        raise NamespaceLockedError(
+            f"NVMe namespace {cfg.namespace!r} under {str(cfg.root)!r} is locked by another "
+            f"live engine{holder}; close that engine or choose another namespace ({exc})"
+        ) from exc
     return tier
+
+
+def _lock_holder(path: pathlib.Path) -> str:
+    """`` (pid N)`` from the namespace lock file, or '' when it cannot be read (blocks)."""
+    try:
+        pid = path.read_text().strip()
+    except OSError:
+        return ""
+    return f" (pid {pid})" if pid.isdigit() else ""
 
 
 class NVMeWriter:
