@@ -31,7 +31,6 @@ from kvtier.errors import (
     EngineClosedError,
     InvalidArgumentError,
     KeyNotResidentError,
-    NotDurableError,
     NotStoredError,
     TransferError,
 )
@@ -368,7 +367,9 @@ class TransferEngine:
         Returns when every GPU->CPU copy of the call has completed, so the GPU
         blocks may be reused. NVMe write-through continues in the background
         unless ``durable`` is True, in which case it also waits until the
-        call's rows are durable (``fdatasync``).
+        rows of all the call's keys, stored or skipped, are durable
+        (``fdatasync``); the row of a skipped key that is only in a CPU slot
+        (its earlier write failed) is written again.
 
         Stores issued in the same event-loop iteration are coalesced into one
         job. Keys already present (CPU, in flight or on NVMe) are skipped.
@@ -391,7 +392,7 @@ class TransferEngine:
         Raises:
             InvalidArgumentError: bad chunks (subclasses name the rule); nothing changed.
             EngineClosedError: the engine is not open.
-            NotDurableError: ``durable`` and some of the call's rows could not
+            NotDurableError: ``durable`` and rows of the call's keys could not
                 be written (its ``result`` is the StoreResult; the keys stay in CPU slots).
             StorageError: ``durable`` and the ``fdatasync`` failed.
 
@@ -450,14 +451,16 @@ class TransferEngine:
                 stored.append(key)
         p.ready.set_result(error is None and not ctx.cancelled)
         result = StoreResult(tuple(stored), tuple(p.skipped), tuple(rejected))
-        if stored and self._writer is not None and self.config.write_through:
-            written = self._writer.enqueue([(k, p.by_key[k]) for k in stored])
-            if durable:
-                failed = await written
-                await self._nvme.flush()
-                mine = {k: failed[k] for k in stored if k in failed}
-                if mine:
-                    raise NotDurableError(mine, result)
+        if self._writer is None or not self.config.write_through:
+            return result
+        if stored:
+            self._writer.enqueue([(k, p.by_key[k].offset, p.by_key[k].stop) for k in stored])
+        if durable:
+            # Skipped keys count too: wait for stores of them in flight, then for their rows.
+            others = {self._ready[k] for k in p.skipped if k in self._ready}
+            if others:
+                await asyncio.wait(others)
+            await self._writer.make_durable([*stored, *p.skipped], result)
         return result
 
     def _copy(self, chunk: Chunk, slot: int) -> ChunkCopy:

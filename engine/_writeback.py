@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import pathlib
 from collections.abc import Collection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier._types import Chunk, OffloadKey
 from kvtier.errors import (
     KVTierError,
     NamespaceLockedError,
     NotDurableError,
+    StorageError,
     storage_error_kind,
 )
 
@@ -83,9 +84,10 @@ class NVMeWriter:
     def __init__(self, engine: TransferEngine, tier: NVMeTier) -> None:
         self._engine = engine
         self._tier = tier
-        self._pending: list[tuple[OffloadKey, Chunk, int]] = []
+        self._pending: list[tuple[OffloadKey, int, int, int]] = []  # key, start, stop, seq
         self._pending_done: asyncio.Future[Failures] | None = None
         self._inflight: set[asyncio.Future[Failures]] = set()
+        self._batch_of: dict[OffloadKey, asyncio.Future[Failures]] = {}  # queued or in flight
         self._enqueued = 0  # keys handed to write-through so far (their sequence)
         self._failed: dict[OffloadKey, tuple[int, BaseException]] = {}  # not yet reported
         self._flush_marks: dict[object, int] = {}  # flush calls in progress -> their mark
@@ -97,8 +99,11 @@ class NVMeWriter:
         self.promotion_failures = 0
 
     # ------------------------------------------------------------------ write-through
-    def enqueue(self, items: list[tuple[OffloadKey, Chunk]]) -> asyncio.Future[Failures]:
-        """Pin the keys' slots and queue their rows.
+    def enqueue(self, items: list[tuple[OffloadKey, int, int]]) -> asyncio.Future[Failures]:
+        """Pin the slots of resident keys and queue their rows.
+
+        Args:
+            items: ``(key, start, stop)``: the stored sub-block range of each key.
 
         Returns:
             A future (shared by the whole batch; never cancel it) set to the
@@ -106,15 +111,16 @@ class NVMeWriter:
 
         """
         pool = self._engine._pool
-        for key, chunk in items:
-            pool.pin(key)
-            self._enqueued += 1
-            self._pending.append((key, chunk, self._enqueued))
         if self._pending_done is None:
             loop = asyncio.get_running_loop()
             self._pending_done = loop.create_future()
             self._inflight.add(self._pending_done)
             loop.call_soon(self._start_batch)
+        for key, start, stop in items:
+            pool.pin(key)
+            self._enqueued += 1
+            self._pending.append((key, start, stop, self._enqueued))
+            self._batch_of[key] = self._pending_done
         return self._pending_done
 
     def _start_batch(self) -> None:
@@ -127,7 +133,7 @@ class NVMeWriter:
         task.add_done_callback(self._tasks.discard)
 
     async def _write(
-        self, batch: list[tuple[OffloadKey, Chunk, int]], done: asyncio.Future[Failures]
+        self, batch: list[tuple[OffloadKey, int, int, int]], done: asyncio.Future[Failures]
     ) -> None:
         engine = self._engine
         pool = engine._pool
@@ -138,19 +144,19 @@ class NVMeWriter:
         try:
             async with self._sem:
                 rows = []
-                for key, chunk, _ in batch:
+                for key, start, stop, _ in batch:
                     entry = pool.get(key)
                     assert entry is not None
                     view = region.buffer(entry.slot, engine.slot_nbytes)
                     views.append(view)
-                    rows.append((key, chunk.offset, chunk.stop, view))
+                    rows.append((key, start, stop, view))
                 try:
                     results: list[BaseException | None] = await asyncio.shield(
                         self._tier.write_rows(rows)
                     )
                 except Exception as exc:  # the tier refused the whole call: every row failed
                     results = [exc] * len(rows)
-            for (key, _, seq), res in zip(batch, results, strict=True):
+            for (key, _, _, seq), res in zip(batch, results, strict=True):
                 if res is None:
                     self.rows_written += 1
                     self._failed.pop(key, None)
@@ -161,8 +167,10 @@ class NVMeWriter:
         finally:
             for view in views:
                 view.release()
-            for key, _, _ in batch:
+            for key, _, _, _ in batch:
                 pool.unpin(key)
+                if self._batch_of.get(key) is done:
+                    del self._batch_of[key]
             self._inflight.discard(done)
             if not done.done():
                 done.set_result(failed)
@@ -199,6 +207,43 @@ class NVMeWriter:
                     del self._failed[k]
             raise NotDurableError(failed)
 
+    async def make_durable(self, keys: list[OffloadKey], result: Any) -> None:
+        """Return once the rows of ``keys`` are written and synced (``store(durable=True)``).
+
+        Waits for the queued or in-flight rows of the keys; queues the row of
+        a resident CPU key that is neither on NVMe nor queued (its earlier
+        write failed); then syncs the segment files.
+
+        Raises:
+            NotDurableError: some of the keys' rows failed, or a key is on no
+                medium; ``result`` rides along.
+            StorageError: the ``fdatasync`` failed.
+
+        """
+        pool = self._engine._pool
+        missing: Failures = {}
+        rewrite = []
+        for key in keys:
+            if key in self._batch_of or self._tier.contains(key):
+                continue
+            entry = pool.get(key)
+            if entry is not None and not entry.writing:
+                rewrite.append((key, entry.start, entry.stop))
+            else:
+                missing[key] = StorageError("missing", f"{key} is on no medium")
+        if rewrite:
+            self.enqueue(rewrite)
+        waits = {self._batch_of[k] for k in keys if k in self._batch_of}
+        if waits:
+            await asyncio.wait(waits)  # never cancels the batch futures others share
+        await self._tier.flush()
+        wanted = set(keys)
+        failed = dict(missing)
+        for fut in waits:
+            failed.update((k, exc) for k, exc in fut.result().items() if k in wanted)
+        if failed:
+            raise NotDurableError(failed, result)
+
     @property
     def busy(self) -> bool:
         """Whether rows are queued or being written."""
@@ -214,8 +259,9 @@ class NVMeWriter:
     def cancel(self) -> None:
         """Drop rows not yet handed to the tier (hard stop); in-flight I/O still completes."""
         pool = self._engine._pool
-        for key, _, _ in self._pending:
+        for key, _, _, _ in self._pending:
             pool.unpin(key)
+            self._batch_of.pop(key, None)
         self._pending = []
         if self._pending_done is not None:
             self._inflight.discard(self._pending_done)

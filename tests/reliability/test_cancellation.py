@@ -16,6 +16,7 @@ import random
 import pytest
 
 import kvtier
+from kvtier import errors
 
 from ._faultio import KeyFault, Wrapper
 from ._model import (
@@ -96,6 +97,10 @@ async def test_random_cancellation_during_store_load_flush(tmp_path: pathlib.Pat
                 cancelled[kind] += 1
                 if kind == "load":  # copies already submitted may still have landed
                     assert all(gpu.holds_or_untouched(c) for c in cs)
+            elif isinstance(out, errors.NotDurableError) and kind == "durable":
+                # a skipped key whose store (by a cancelled op) never completed: on no medium
+                assert {e.kind for e in out.failed.values()} == {"missing"}, out  # type: ignore[attr-defined]
+                assert engine.lookup(list(out.failed)) == [kvtier.Residency.MISS] * len(out.failed)
             elif isinstance(out, BaseException):
                 raise out
             elif kind == "load":

@@ -397,3 +397,39 @@ async def test_every_slot_pinned_by_stalled_writes_rejects_and_never_blocks(tmp_
         assert engine.stats().slots_pinned == 0
         await store_ok(engine, gpu, extra)
         assert not (await load_check(engine, gpu, [*extra, *nvme_only])).failed
+
+
+# ------------------------------------------------------------------ durable stores of present keys
+
+
+async def test_durable_store_of_a_present_key_waits_for_its_queued_row(tmp_path) -> None:
+    gpu = Gpu()
+    stall = KeyFault("write", "block")
+    cfg = engine_config(gpu, 8, nvme_config(tmp_path, wrapper=Wrapper(stall)))
+    cs = chunks(["dp0", "dp1"])
+    async with kvtier.TransferEngine(gpu.layout, cfg) as engine:
+        await store_ok(engine, gpu, cs)  # row writes stalled
+        durable = asyncio.ensure_future(engine.store(cs, durable=True))
+        await asyncio.sleep(0.2)
+        done_early = durable.done()
+        stall.gate.set()
+        res = await asyncio.wait_for(durable, 10)
+        assert not done_early, "store(durable=True) returned before the rows were written"
+        assert set(res.skipped) == {c.key for c in cs}
+    await _reopen_all_load(gpu, engine_config(gpu, 8, nvme_config(tmp_path)), cs)
+
+
+async def test_durable_store_of_a_present_key_rewrites_its_failed_row(tmp_path) -> None:
+    gpu = Gpu()
+    cs = chunks(["dr0", "dr1"])
+    bad = cs[0]
+    wrap = Wrapper(KeyFault("write", "errno", frozenset({bad.key.block_hash}), times=1))
+    cfg = engine_config(gpu, 8, nvme_config(tmp_path, request_nbytes=4096, wrapper=wrap))
+    async with kvtier.TransferEngine(gpu.layout, cfg) as engine:
+        await store_ok(engine, gpu, cs)
+        with pytest.raises(errors.NotDurableError):
+            await engine.flush()  # reported once...
+        res = await engine.store(cs, durable=True)  # ...and made durable on request
+        assert set(res.skipped) == {c.key for c in cs}
+        assert (engine.stats().nvme or {})["rows_written"] == 2
+    await _reopen_all_load(gpu, cfg, cs)
