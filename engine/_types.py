@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvtier.errors import ChunkRangeError, InvalidArgumentError
+from kvtier.errors import BlockIdError, ChunkRangeError, InvalidArgumentError
 
 
 class Medium(enum.Enum):
@@ -60,6 +61,10 @@ class OffloadKey:
             raise InvalidArgumentError(f"OffloadKey.group_id must be >= 0, got {self.group_id}")
 
 
+def _bool(value: bool) -> bool:
+    raise TypeError(f"{value!r} is a bool, not a block id")
+
+
 @dataclass(frozen=True, slots=True)
 class Chunk:
     """A chunk transfer request: GPU blocks of one key's sub-blocks.
@@ -72,6 +77,8 @@ class Chunk:
         offset: index of the first sub-block inside the chunk (``>= 0``).
 
     Raises:
+        BlockIdError: ``block_ids`` is not a sequence of ints (floats, strings,
+            bools and None are rejected, never truncated).
         ChunkRangeError: ``block_ids`` is empty or ``offset`` negative.
 
     """
@@ -83,7 +90,14 @@ class Chunk:
     def __init__(self, key: OffloadKey, block_ids: Sequence[int], offset: int = 0) -> None:
         if not isinstance(key, OffloadKey):
             raise InvalidArgumentError(f"Chunk.key must be an OffloadKey, got {type(key).__name__}")
-        ids = tuple(int(b) for b in block_ids)
+        if isinstance(block_ids, str | bytes) or not isinstance(block_ids, Iterable):
+            raise BlockIdError(
+                f"Chunk for {key}: block_ids must be a sequence of ints, got {block_ids!r:.80}"
+            )
+        try:
+            ids = tuple(operator.index(b) for b in block_ids if not isinstance(b, bool) or _bool(b))
+        except TypeError as exc:
+            raise BlockIdError(f"Chunk for {key}: block_ids must be ints: {exc}") from None
         if not ids:
             raise ChunkRangeError(f"Chunk for {key} has no block_ids")
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:

@@ -224,16 +224,16 @@ def test_bad_construction_raises_typed_value_error(case: str) -> None:
     assert not os.path.exists("/tmp/kvtier-never-created")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="types: Chunk() converts block_ids with int(): 1.5 becomes block 1, the str '12' "
-    "becomes blocks (1, 2), None raises a bare TypeError (engine/_types.py is outside this "
-    "issue's files)",
+@pytest.mark.parametrize(
+    "block_ids",
+    [[1.5], "12", None, [True], [None], 7],
+    ids=["float", "str", "None", "bool", "None-id", "int"],
 )
-@pytest.mark.parametrize("block_ids", [[1.5], "12", None], ids=["float", "str", "None"])
 def test_chunk_block_ids_must_be_ints(block_ids: Any) -> None:
-    with pytest.raises(errors.ChunkRangeError):
+    # Never truncated or split: 1.5 is not block 1 and "12" is not blocks (1, 2).
+    with pytest.raises(errors.BlockIdError) as info:
         kvtier.Chunk(kvtier.OffloadKey(b"x", 0), block_ids)
+    assert isinstance(info.value, ValueError)
 
 
 # ------------------------------------------------------------------ start-time
