@@ -13,7 +13,9 @@ resident CPU key.
 from __future__ import annotations
 
 import asyncio
+import collections
 import pathlib
+import time
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
@@ -97,6 +99,9 @@ class NVMeWriter:
         self.write_failures = 0
         self.promotions = 0
         self.promotion_failures = 0
+        self.batch_seconds: collections.deque[float] = collections.deque(maxlen=65536)
+        """Seconds from a write batch's first enqueue to its last row written."""
+        self._batch_t0: float = 0.0
 
     # ------------------------------------------------------------------ write-through
     def enqueue(self, items: list[tuple[OffloadKey, int, int]]) -> asyncio.Future[Failures]:
@@ -115,6 +120,7 @@ class NVMeWriter:
             loop = asyncio.get_running_loop()
             self._pending_done = loop.create_future()
             self._inflight.add(self._pending_done)
+            self._batch_t0 = time.perf_counter()
             loop.call_soon(self._start_batch)
         for key, start, stop in items:
             pool.pin(key)
@@ -128,12 +134,15 @@ class NVMeWriter:
         done, self._pending_done = self._pending_done, None
         if done is None:
             return
-        task = asyncio.ensure_future(self._write(batch, done))
+        task = asyncio.ensure_future(self._write(batch, done, self._batch_t0))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _write(
-        self, batch: list[tuple[OffloadKey, int, int, int]], done: asyncio.Future[Failures]
+        self,
+        batch: list[tuple[OffloadKey, int, int, int]],
+        done: asyncio.Future[Failures],
+        t0: float,
     ) -> None:
         engine = self._engine
         pool = engine._pool
@@ -172,6 +181,7 @@ class NVMeWriter:
                 if self._batch_of.get(key) is done:
                     del self._batch_of[key]
             self._inflight.discard(done)
+            self.batch_seconds.append(time.perf_counter() - t0)
             if not done.done():
                 done.set_result(failed)
 

@@ -435,6 +435,8 @@ async def _nvme_phases(
                     assert len(res.stored) == len(batch), "bench store rejected keys"
                 await engine.flush()
                 write.seconds.append(time.perf_counter() - t0)
+                assert engine._writer is not None
+                write.batch_seconds.extend(engine._writer.batch_seconds)
                 failures = engine.stats().nvme or {}
                 assert failures.get("write_failures", 0) == 0, f"NVMe write failures: {failures}"
             progress(f"repeat {r + 1}/{cfg.repeat}: file-per-chunk write")
