@@ -13,7 +13,7 @@ from typing import Any, Self
 from kvtier._config import EngineConfig
 from kvtier._policy import make_policy
 from kvtier._slots import HostRegion, SlotEntry, SlotPool, SlotState
-from kvtier._transfer import ChunkCopy, CopyExecutor, Direction
+from kvtier._transfer import ChunkCopy, CopyExecutor, Direction, piece_specs
 from kvtier._types import (
     Chunk,
     EngineStats,
@@ -125,6 +125,7 @@ class TransferEngine:
                 f"(largest group chunk + 4 KiB trailer, blocks_per_chunk={bpc})"
             )
         self._offsets = {g: layout.layer_offsets(g, bpc) for g in layout.group_ids}
+        self._specs = {g: piece_specs(layout.group(g), self._offsets[g]) for g in layout.group_ids}
         self._group_nbytes = {g: layout.group_nbytes(g, bpc) for g in layout.group_ids}
         if config.nvme is not None and config.nvme.capacity_bytes < self.slot_nbytes:
             # A row of the largest group is slot_nbytes long (payload + trailer).
@@ -467,12 +468,12 @@ class TransferEngine:
         assert self._region is not None
         g = chunk.key.group_id
         return ChunkCopy(
-            self.layout.group(g),
-            self._offsets[g],
+            self._specs[g],
             self._region.views,
             slot * self.slot_nbytes,
             chunk.block_ids,
             chunk.offset,
+            len(chunk.block_ids) * self.layout.group(g).block_payload_nbytes,
         )
 
     # ------------------------------------------------------------------ jobs

@@ -20,7 +20,7 @@ import asyncio
 import concurrent.futures
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -33,31 +33,77 @@ _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 1e-3
 
 
+class PieceSpec(NamedTuple):
+    """Everything a copy needs about one piece of one layer of a group, precomputed.
+
+    Attributes:
+        gpu: the piece's wide view ``(num_blocks, *shape)`` (dtype of ``width``).
+        width: element bytes of ``gpu``.
+        shape: ``gpu.shape[1:]``.
+        strides: row-major strides of ``shape`` (elements).
+        gpu8: the same piece as ``uint8`` (used when a slot offset is not
+            aligned to ``width``).
+        shape8: ``gpu8.shape[1:]``.
+        strides8: row-major strides of ``shape8``.
+        payload: the layer's payload bytes per block.
+        offset: byte offset of the piece inside sub-block 0 of the slot
+            (layer offset + offset of the piece inside the page payload).
+    """
+
+    gpu: torch.Tensor
+    width: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    gpu8: torch.Tensor
+    shape8: tuple[int, ...]
+    strides8: tuple[int, ...]
+    payload: int
+    offset: int
+
+
+def piece_specs(group: GroupLayout, layer_offsets: Sequence[int]) -> tuple[PieceSpec, ...]:
+    """Precompute the :class:`PieceSpec` list of ``group`` for one slot layout.
+
+    Args:
+        group: the group's layout.
+        layer_offsets: byte offset of each distinct layer inside a slot
+            (:meth:`KVLayout.layer_offsets`).
+    """
+    specs = []
+    for layer, offset in zip(group.layers, layer_offsets, strict=True):
+        for piece in layer.pieces:
+            shape = tuple(piece.view.shape[1:])
+            shape8 = tuple(piece.view8.shape[1:])
+            specs.append(
+                PieceSpec(
+                    piece.view, piece.itemsize, shape, _contiguous_strides(shape),
+                    piece.view8, shape8, _contiguous_strides(shape8),
+                    layer.payload_nbytes, offset + piece.page_start,
+                )
+            )  # fmt: skip
+    return tuple(specs)
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkCopy:
     """One chunk of one group between its GPU blocks and its CPU slot.
 
     Attributes:
-        group: the group's layout.
-        layer_offsets: byte offset of each distinct layer inside the slot.
+        specs: the group's pieces (:func:`piece_specs`).
         region: ``{itemsize: view of the whole CPU pool as int8/16/32/64}``
             (4 KiB aligned, 1-D).
         slot_offset: byte offset of the slot inside the pool.
         block_ids: GPU block ids of sub-blocks ``start .. start+len(block_ids)``.
         start: first sub-block index inside the chunk.
+        nbytes: payload bytes this copy moves.
     """
 
-    group: GroupLayout
-    layer_offsets: tuple[int, ...]
+    specs: tuple[PieceSpec, ...]
     region: dict[int, torch.Tensor]
     slot_offset: int
     block_ids: tuple[int, ...]
     start: int
-
-    @property
-    def nbytes(self) -> int:
-        """Payload bytes this copy moves."""
-        return len(self.block_ids) * self.group.block_payload_nbytes
+    nbytes: int
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -68,35 +114,21 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _consecutive(ids: tuple[int, ...]) -> bool:
-    first = ids[0]
-    return ids[-1] - first == len(ids) - 1 and all(b == first + i for i, b in enumerate(ids))
-
-
-def slot_views(copy: ChunkCopy, li: int, pi: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(gpu_view, slot_view)`` of piece ``pi`` of layer ``li``, same dtype.
+def slot_views(copy: ChunkCopy, spec: PieceSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(gpu_view, slot_view)`` of one piece, in the same dtype.
 
     ``gpu_view`` is ``(num_blocks, *shape)``; ``slot_view`` is ``(n, *shape)``
     made by one ``as_strided`` on the pool: sub-block ``j`` of the layer starts
     at ``slot_offset + layer_offset + (start + j) * payload``. The piece's wide
     element type is used when that start is aligned to it, bytes otherwise.
     """
-    layer = copy.group.layers[li]
-    piece = layer.pieces[pi]
-    base = (
-        copy.slot_offset
-        + copy.layer_offsets[li]
-        + copy.start * layer.payload_nbytes
-        + piece.page_start
-    )
-    gpu, w = piece.view, piece.itemsize
-    if base % w:
-        gpu, w = piece.view8, 1
-    shape = gpu.shape[1:]
+    base = copy.slot_offset + spec.offset + copy.start * spec.payload
+    if base % spec.width:
+        gpu, w, shape, strides = spec.gpu8, 1, spec.shape8, spec.strides8
+    else:
+        gpu, w, shape, strides = spec.gpu, spec.width, spec.shape, spec.strides
     slot = copy.region[w].as_strided(
-        (len(copy.block_ids), *shape),
-        (layer.payload_nbytes // w, *_contiguous_strides(shape)),
-        base // w,
+        (len(copy.block_ids), *shape), (spec.payload // w, *strides), base // w
     )
     return gpu, slot
 
@@ -104,40 +136,38 @@ def slot_views(copy: ChunkCopy, li: int, pi: int) -> tuple[torch.Tensor, torch.T
 def run_plan(plan: Sequence[ChunkCopy], direction: Direction) -> None:
     """Execute a job's copies synchronously (worker thread or CUDA stream context).
 
-    Per chunk, per distinct layer and per piece: a strided ``copy_`` when the
-    block ids are consecutive, else ``index_select`` into the slot (store) or
-    ``index_copy_`` into the GPU blocks (load).
+    Per chunk and per piece of each distinct layer: a strided ``copy_`` when
+    the block ids are consecutive, else ``index_select`` into the slot (store)
+    or ``index_copy_`` into the GPU blocks (load).
 
     Args:
         plan: the chunk copies.
         direction: ``"store"`` (GPU blocks -> slots) or ``"load"`` (slots -> GPU blocks).
     """
+    store = direction == "store"
     for copy in plan:
         ids = copy.block_ids
-        device = copy.group.layers[0].pieces[0].view.device
-        run = _consecutive(ids)
-        idx = None if run else torch.tensor(ids, dtype=torch.long, device=device)
+        first, n = ids[0], len(ids)
+        device = copy.specs[0].gpu.device
         on_cpu = device.type == "cpu"
-        for li, layer in enumerate(copy.group.layers):
-            for pi in range(len(layer.pieces)):
-                gpu, slot = slot_views(copy, li, pi)
-                if run:
-                    blocks = gpu[ids[0] : ids[0] + len(ids)]
-                    if direction == "store":
-                        slot.copy_(blocks, non_blocking=not on_cpu)
-                    else:
-                        blocks.copy_(slot, non_blocking=not on_cpu)
-                    continue
-                assert idx is not None
-                if direction == "store":
-                    if on_cpu and slot.is_contiguous():
-                        torch.index_select(gpu, 0, idx, out=slot)
-                    else:
-                        slot.copy_(gpu.index_select(0, idx), non_blocking=not on_cpu)
-                elif on_cpu:
-                    gpu.index_copy_(0, idx, slot)
+        run = ids == tuple(range(first, first + n))
+        idx = None if run else torch.tensor(ids, dtype=torch.long, device=device)
+        for spec in copy.specs:
+            gpu, slot = slot_views(copy, spec)
+            if idx is None:
+                if store:
+                    slot.copy_(gpu[first : first + n], non_blocking=not on_cpu)
                 else:
-                    gpu.index_copy_(0, idx, slot.to(device, non_blocking=True))
+                    gpu[first : first + n].copy_(slot, non_blocking=not on_cpu)
+            elif store:
+                if on_cpu and slot.is_contiguous():
+                    torch.index_select(gpu, 0, idx, out=slot)
+                else:
+                    slot.copy_(gpu.index_select(0, idx), non_blocking=not on_cpu)
+            elif on_cpu:
+                gpu.index_copy_(0, idx, slot)
+            else:
+                gpu.index_copy_(0, idx, slot.to(device, non_blocking=True))
 
 
 def _split(plan: Sequence[ChunkCopy], parts: int) -> list[Sequence[ChunkCopy]]:

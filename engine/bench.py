@@ -43,7 +43,7 @@ import torch
 import kvtier
 from kvtier._shapes import ModelShape, model_shape
 from kvtier._slots import HostRegion
-from kvtier._transfer import ChunkCopy, slot_views
+from kvtier._transfer import ChunkCopy, PieceSpec, piece_specs, slot_views
 from kvtier.layout import KVLayout, round_up
 
 
@@ -314,6 +314,9 @@ async def _copy_phases(
     dst = HostRegion(round_up(payload), pin=True)
     dst.prefault()
     gather_region = HostRegion(cfg.batch_chunks * layout.slot_nbytes(bpc), pin=True)
+    specs = {
+        g: piece_specs(layout.group(g), layout.layer_offsets(g, bpc)) for g in layout.group_ids
+    }
     gather_region.prefault()
     store, load = report["store"], report["load"]
     store.nbytes = load.nbytes = payload
@@ -352,7 +355,7 @@ async def _copy_phases(
                         torch.cuda.synchronize()
                     base += time.perf_counter() - t0
                     t0 = time.perf_counter()
-                    _torch_gather(layout, batch, gather_region, bpc, direction)
+                    _torch_gather(layout, specs, batch, gather_region, bpc, direction)
                     naive += time.perf_counter() - t0
                 phase.seconds.append(total)
                 phase.baselines["plain_copy"].append(base)
@@ -362,7 +365,12 @@ async def _copy_phases(
 
 
 def _torch_gather(
-    layout: KVLayout, batch: list[kvtier.Chunk], region: HostRegion, bpc: int, direction: str
+    layout: KVLayout,
+    specs: dict[int, tuple[PieceSpec, ...]],
+    batch: list[kvtier.Chunk],
+    region: HostRegion,
+    bpc: int,
+    direction: str,
 ) -> None:
     """Baseline: the same blocks moved with plain torch indexing, one call per chunk and layer.
 
@@ -373,21 +381,20 @@ def _torch_gather(
     for i, c in enumerate(batch):
         g = c.key.group_id
         copy = ChunkCopy(
-            layout.group(g),
-            layout.layer_offsets(g, bpc),
+            specs[g],
             region.views,
             i * slot_nbytes,
             c.block_ids,
             c.offset,
+            0,
         )
         idx = torch.tensor(c.block_ids, device=layout.device)
-        for li, layer in enumerate(copy.group.layers):
-            for pi in range(len(layer.pieces)):
-                gpu, slot = slot_views(copy, li, pi)
-                if direction == "store":
-                    slot.copy_(gpu[idx])
-                else:
-                    gpu[idx] = slot
+        for spec in copy.specs:
+            gpu, slot = slot_views(copy, spec)
+            if direction == "store":
+                slot.copy_(gpu[idx])
+            else:
+                gpu[idx] = slot
     if layout.device.type == "cuda":
         torch.cuda.synchronize()
 
