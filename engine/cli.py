@@ -120,7 +120,9 @@ def bench(**kw: Any) -> None:
             raise click.ClickException(str(exc)) from exc
     Console().print(format_table(result))
     click.echo(
-        f"scheduling overhead: {result['scheduling_overhead_us_per_chunk']} us/chunk; "
+        "scheduling overhead (us/chunk, 16-byte pages): "
+        + ", ".join(f"{k} {v}" for k, v in result["scheduling_overhead_us_per_chunk"].items())
+        + "; "
         f"event-loop lag p99 during NVMe phases: {result['loop_lag_p99_ms']} ms; "
         f"I/O: {result['io'].get('backend', '-')}, direct={result['io'].get('direct_io', '-')}"
     )
