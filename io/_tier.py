@@ -38,7 +38,7 @@ __all__ = ["FAILURE_KINDS", "NVMeTier"]
 
 T = TypeVar("T")
 
-GROW_NBYTES = 16 << 20
+GROW_NBYTES = 128 << 20
 """Largest growth step of a segment file (bytes)."""
 
 
