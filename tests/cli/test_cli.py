@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -89,19 +90,25 @@ def test_bench_rejects_bad_options(tmp_path: Path) -> None:
 
 
 def test_inspect_lists_namespaces_and_rows(tmp_path: Path) -> None:
-    code = (
-        "import asyncio, torch, kvtier\n"
-        "async def main():\n"
-        "    layout = kvtier.KVLayout.from_tensors({0: {'a': torch.ones(8, 4096, dtype=torch.uint8)},"
-        " 1: {'b': torch.ones(8, 1024, dtype=torch.uint8)}})\n"
-        f"    nv = kvtier.NVMeConfig(root={str(tmp_path)!r}, capacity_bytes=1 << 24, namespace='ns1',"
-        " segment_nbytes=1 << 20)\n"
-        "    async with kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 2, nvme=nv)) as e:\n"
-        "        await e.store([kvtier.Chunk(kvtier.OffloadKey(bytes([i + 1]), i % 2), [i]) for i in range(5)],"
-        " durable=True)\n"
-        "asyncio.run(main())\n"
+    code = textwrap.dedent(
+        """
+        import asyncio, sys, torch, kvtier
+
+        async def main(root):
+            a = torch.ones(8, 4096, dtype=torch.uint8)
+            b = torch.ones(8, 1024, dtype=torch.uint8)
+            layout = kvtier.KVLayout.from_tensors({0: {"a": a}, 1: {"b": b}})
+            nv = kvtier.NVMeConfig(
+                root=root, capacity_bytes=1 << 24, namespace="ns1", segment_nbytes=1 << 20
+            )
+            async with kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 2, nvme=nv)) as e:
+                keys = [kvtier.OffloadKey(bytes([i + 1]), i % 2) for i in range(5)]
+                await e.store([kvtier.Chunk(k, [i]) for i, k in enumerate(keys)], durable=True)
+
+        asyncio.run(main(sys.argv[1]))
+        """
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=REPO)
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=120, cwd=REPO)
     res = kvtier("inspect", str(tmp_path), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert "namespace=ns1" in res.stdout
