@@ -78,9 +78,6 @@ class _Counters:
     load_seconds: float = 0.0
     store_jobs: int = 0
     load_jobs: int = 0
-    nvme_hits: int = 0
-    nvme_write_failures: int = 0
-    promotions: int = 0
     failures: dict[str, int] = field(default_factory=dict)
 
 
@@ -708,4 +705,5 @@ class TransferEngine:
             load_failures=c.load_failures,
             pinned_memory=bool(self._region and self._region.pinned),
             nvme=nvme,
+            failures=dict(c.failures),
         )

@@ -147,7 +147,9 @@ class LoadResult:
 class EngineStats:
     """A snapshot of engine counters (see :meth:`TransferEngine.stats`).
 
-    Byte counts are in bytes, times in seconds.
+    Byte counts are in bytes, times in seconds. ``failures`` counts failed
+    copies (``"transfer"``) and failed promotions by kind (``"checksum"``,
+    ``"eio"``, ...); ``nvme`` holds the NVMe tier's counters (None without NVMe).
     """
 
     num_slots: int
@@ -173,3 +175,4 @@ class EngineStats:
     load_failures: int
     pinned_memory: bool
     nvme: dict[str, object] | None = None
+    failures: dict[str, int] = field(default_factory=dict)

@@ -90,6 +90,12 @@ class _EngineCollector:
             ["direction"],
         )
         yield counter("evictions", "CPU slot evictions", {(): s.evictions}, [])
+        yield counter(
+            "failures",
+            "failed copies and promotions by kind",
+            {(k,): float(v) for k, v in s.failures.items()},
+            ["kind"],
+        )
         yield counter("rejected", "stored keys rejected for lack of a slot", {(): s.rejected}, [])
         if nvme:
             yield counter(

@@ -136,6 +136,7 @@ async def test_corrupt_payload_byte_is_a_counted_miss_and_others_load(tmp_path: 
         stats = engine.stats()
         assert stats.load_failures == 1
         assert stats.nvme["checksum_failures"] == 1
+        assert stats.failures == {"checksum": 1}
         assert engine.lookup([bad]) == [kvtier.Residency.MISS]
     bad_blocks = next(c.block_ids for c in chunks if c.key == bad)
     good = [b for c in chunks if c.key != bad for b in c.block_ids]
