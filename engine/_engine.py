@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -192,7 +193,16 @@ class TransferEngine:
                     f"({self.num_slots} slots of {self.slot_nbytes} bytes): {exc}"
                 ) from exc
             self._region = region
-            await loop.run_in_executor(None, region.prefault)
+            prefault = loop.run_in_executor(None, region.prefault)
+            try:
+                await asyncio.shield(prefault)
+            except asyncio.CancelledError:
+                # The worker thread still writes the region: unmapping it now
+                # would crash the process. Let it finish, then clean up.
+                while not prefault.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.shield(prefault)
+                raise
             self._executors = {
                 d: CopyExecutor(self.layout.device, d, self.config.copy_threads)
                 for d in ("store", "load")

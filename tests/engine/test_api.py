@@ -279,3 +279,17 @@ def test_background_engine_from_sync_code() -> None:
     assert same(a[:4], before[:4])
     with pytest.raises(kvtier.EngineClosedError):
         engine.store([kvtier.Chunk(key("bg", 0), [0])])
+
+
+async def test_start_cancelled_while_prefaulting_does_not_unmap_under_the_worker() -> None:
+    # A Ctrl-C during start() used to unmap the pool while the pre-fault thread
+    # was still writing it: a segfault. Now the start waits for that thread.
+    layout, _, _ = _layout()
+    engine = kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 30, 4))
+    task = asyncio.ensure_future(engine.start())
+    await asyncio.sleep(0.02)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    with pytest.raises(kvtier.EngineClosedError):
+        engine.lookup([key(1, 0)])
