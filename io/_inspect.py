@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pathlib
@@ -59,6 +60,32 @@ def _inspect_segment(path: pathlib.Path, digest: bytes | None, group_id: int) ->
     return info
 
 
+def _lock_holder(lock: pathlib.Path) -> int | None:
+    """The pid written in ``lock`` if a live engine holds its flock, else None.
+
+    The pid in the file stays after a close or a crash; only the flock tells
+    whether the namespace is in use now (probed without taking it for long).
+    """
+    if not lock.exists():
+        return None
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = lock.read_text().strip()
+        return int(pid) if pid.isdigit() else -1
+    except OSError:
+        return None
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 def inspect_root(root: str | os.PathLike[str]) -> dict[str, Any]:
     """Summarize every namespace directory under ``root`` without modifying anything.
 
@@ -102,13 +129,12 @@ def inspect_root(root: str | os.PathLike[str]) -> dict[str, Any]:
                 "valid_rows": sum(s["valid_rows"] for s in segs),
                 "invalid_rows": sum(s["invalid_rows"] for s in segs),
             }
-        lock = directory / "lock"
-        pid = lock.read_text().strip() if lock.exists() else ""
+        pid = _lock_holder(directory / "lock")
         namespaces.append(
             {
                 "directory": directory.name,
                 "format": fmt,
-                "locked_by_pid": int(pid) if pid.isdigit() else None,
+                "locked_by_pid": pid,
                 "groups": groups,
             }
         )

@@ -115,5 +115,6 @@ def test_inspect_lists_namespaces_and_rows(tmp_path: Path) -> None:
     assert "g0: rows=" in res.stdout
     info = json.loads(kvtier("inspect", str(tmp_path), "--json", cwd=tmp_path).stdout)
     (ns,) = info["namespaces"]
+    assert ns["locked_by_pid"] is None  # the engine closed: no live holder
     assert ns["groups"]["0"]["valid_rows"] == 3
     assert ns["groups"]["1"]["valid_rows"] == 2
