@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Coroutine, Iterable, Sequence
 from types import TracebackType
@@ -51,6 +52,7 @@ class BackgroundEngine:
             target=self._loop.run_forever, name="kvtier-loop", daemon=True
         )
         self._closed = False
+        self._lock = threading.Lock()  # orders submissions against close()
 
     @property
     def num_slots(self) -> int:
@@ -58,10 +60,11 @@ class BackgroundEngine:
         return self.engine.num_slots
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        if self._closed or not self._thread.is_alive():
-            coro.close()
-            raise EngineClosedError("BackgroundEngine is closed or not started")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        with self._lock:
+            if self._closed or not self._thread.is_alive():
+                coro.close()
+                raise EngineClosedError("BackgroundEngine is closed or not started")
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     async def _call(self, fn: Any, *args: Any) -> Any:
         return fn(*args)
@@ -70,13 +73,19 @@ class BackgroundEngine:
         """Start the loop thread and the engine (blocks until started).
 
         Raises:
-            EngineClosedError: already closed.
-
+            EngineClosedError: already started or closed.
+            BudgetError, ConfigError, NamespaceLockedError: as
+                :meth:`TransferEngine.start` (the thread is stopped again).
         """
-        if self._closed:
-            raise EngineClosedError("BackgroundEngine is closed")
-        self._thread.start()
-        self._submit(self.engine.start()).result()
+        with self._lock:
+            if self._closed or self._thread.ident is not None:
+                raise EngineClosedError("BackgroundEngine can be started once")
+            self._thread.start()
+        try:
+            self._submit(self.engine.start()).result()
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def __enter__(self) -> Self:
@@ -106,12 +115,12 @@ class BackgroundEngine:
 
     def lookup(self, keys: Iterable[OffloadKey]) -> list[Residency]:
         """:meth:`TransferEngine.lookup`, run on the engine thread (blocks briefly)."""
-        result: list[Residency] = self._submit(self._call(self.engine.lookup, list(keys))).result()
+        result: list[Residency] = self._submit(self._call(self.engine.lookup, keys)).result()
         return result
 
     def prefix_hits(self, keys: Iterable[OffloadKey]) -> int:
         """:meth:`TransferEngine.prefix_hits`, run on the engine thread (blocks briefly)."""
-        result: int = self._submit(self._call(self.engine.prefix_hits, list(keys))).result()
+        result: int = self._submit(self._call(self.engine.prefix_hits, keys)).result()
         return result
 
     def stats(self) -> EngineStats:
@@ -120,12 +129,28 @@ class BackgroundEngine:
         return result
 
     def close(self, *, hard: bool = False) -> None:
-        """Close the engine and stop the thread (blocks until done). Idempotent."""
-        if self._closed:
-            return
-        if self._thread.is_alive():
-            self._submit(self.engine.aclose(hard=hard)).result()
+        """Close the engine and stop the thread (blocks until done). Idempotent.
+
+        Calls submitted before ``close`` complete (or fail with
+        :class:`EngineClosedError`); calls after it raise at once.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True  # no submission can slip in after this point
+            alive = self._thread.is_alive()
+        if alive:
+            asyncio.run_coroutine_threadsafe(self._shutdown(hard), self._loop).result()
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
-        self._closed = True
         self._loop.close()
+
+    async def _shutdown(self, hard: bool) -> None:
+        """Close the engine, then settle every call still pending on the loop."""
+        with contextlib.suppress(Exception):
+            await self.engine.aclose(hard=hard)
+        me = asyncio.current_task()
+        others = [t for t in asyncio.all_tasks() if t is not me]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)

@@ -293,3 +293,33 @@ async def test_start_cancelled_while_prefaulting_does_not_unmap_under_the_worker
         await task
     with pytest.raises(kvtier.EngineClosedError):
         engine.lookup([key(1, 0)])
+
+
+def test_background_engine_start_twice_and_calls_racing_close() -> None:
+    import concurrent.futures
+    import threading
+
+    layout, _, _ = _layout()
+    for _ in range(10):
+        engine = kvtier.BackgroundEngine(layout, kvtier.EngineConfig(1 << 20, 4)).start()
+        with pytest.raises(kvtier.EngineClosedError):
+            engine.start()
+        with pytest.raises(errors.InvalidArgumentError):
+            engine.lookup(key(1, 0))  # one key, not a list: typed error, not a TypeError
+        futures, stop = [], threading.Event()
+
+        def hammer(engine: kvtier.BackgroundEngine = engine) -> None:
+            while not stop.is_set():
+                try:
+                    futures.append(engine.flush())
+                except kvtier.EngineClosedError:
+                    return
+
+        thread = threading.Thread(target=hammer)
+        thread.start()
+        engine.close()
+        stop.set()
+        thread.join()
+        # every call submitted before close() settles (done, failed or cancelled); none hangs
+        _, pending = concurrent.futures.wait(futures, timeout=5)
+        assert not pending
