@@ -308,7 +308,11 @@ def test_background_engine_start_twice_and_calls_racing_close() -> None:
             engine.lookup(key(1, 0))  # one key, not a list: typed error, not a TypeError
         futures, stop = [], threading.Event()
 
-        def hammer(engine: kvtier.BackgroundEngine = engine) -> None:
+        def hammer(
+            engine: kvtier.BackgroundEngine = engine,
+            futures: list = futures,
+            stop: threading.Event = stop,
+        ) -> None:
             while not stop.is_set():
                 try:
                     futures.append(engine.flush())
