@@ -35,7 +35,7 @@ from kvtier.errors import (
     NotStoredError,
     TransferError,
 )
-from kvtier.layout import KVLayout
+from kvtier.layout import KVLayout, page_intervals
 
 log = logging.getLogger("kvtier")
 
@@ -132,6 +132,10 @@ class TransferEngine:
                 f"{self.slot_nbytes}-byte row of the largest group (blocks_per_chunk={bpc})"
             )
         self._alias_class = self._alias_classes(layout)
+        self._alias_size = {
+            g: sum(1 for c in self._alias_class.values() if c == cls)
+            for g, cls in self._alias_class.items()
+        }
         self._state = "new"
         self._region: HostRegion | None = None
         self._pool = SlotPool(self.num_slots, make_policy(config.eviction, self.num_slots))
@@ -363,10 +367,40 @@ class TransferEngine:
                 if not 0 <= b < group.num_blocks:
                     raise BlockIdError(f"{key}: block_id {b} outside [0, {group.num_blocks})")
                 if load:
-                    slot = (self._alias_class[key.group_id], b)
-                    if slot in gpu_blocks:
+                    page = (key.group_id, b)
+                    if page in gpu_blocks:
                         raise BlockIdError(f"{key}: GPU block {b} is written twice by one load")
-                    gpu_blocks.add(slot)
+                    gpu_blocks.add(page)
+        if load:
+            self._check_aliased_pages(gpu_blocks)
+
+    def _check_aliased_pages(self, pages: set[tuple[int, int]]) -> None:
+        """Raise BlockIdError when pages of groups that share storage overlap in one load.
+
+        Blocks of one group never overlap (checked at registration), so only
+        pages of different groups of one alias class are compared, exactly,
+        byte interval by byte interval (packed groups interleaved in one block
+        do not overlap; a tensor registered with different block dims may).
+        """
+        shared = [(g, b) for g, b in pages if self._alias_size[g] > 1]
+        if len({self._alias_class[g] for g, _ in shared}) == len({g for g, _ in shared}):
+            return  # at most one group per alias class in this call
+        intervals = sorted(
+            (start, end, g, b)
+            for g, b in shared
+            for layer in self.layout.group(g).layers
+            for piece in layer.pieces
+            for start, end in page_intervals(piece.view8, b)
+        )
+        reach_end, reach_page = -1, (-1, -1)
+        for start, end, g, b in intervals:
+            if start < reach_end and (g, b) != reach_page:
+                raise BlockIdError(
+                    f"one load writes overlapping GPU bytes: block {b} of group {g} and "
+                    f"block {reach_page[1]} of group {reach_page[0]} share storage"
+                )
+            if end > reach_end:
+                reach_end, reach_page = end, (g, b)
 
     # ------------------------------------------------------------------ store
     async def store(self, chunks: Sequence[Chunk], *, durable: bool = False) -> StoreResult:
@@ -528,9 +562,19 @@ class TransferEngine:
             self._c.load_jobs += 1
             self._c.load_bytes += nbytes
             self._c.load_seconds += seconds
-        for call in calls:
+        errors: list[BaseException | None] = [error] * len(calls)
+        if error is not None and len(calls) > 1:
+            # A failed job must fail only the calls whose own copies fail:
+            # copy each call again on its own (copies are idempotent).
+            for i, call in enumerate(calls):
+                try:
+                    await self._executors[direction].run(call.copies)
+                    errors[i] = None
+                except TransferError as exc:
+                    errors[i] = exc
+        for call, err in zip(calls, errors, strict=True):
             if not call.done.done():
-                call.done.set_result(error)
+                call.done.set_result(err)
 
     # ------------------------------------------------------------------ load
     async def load(self, chunks: Sequence[Chunk]) -> LoadResult:

@@ -177,35 +177,87 @@ def _byte_view(tensor: torch.Tensor, block_dim: int) -> torch.Tensor:
     return u8.as_strided([u8.size(0), *shape], [u8.stride(0), *stride], u8.storage_offset())
 
 
-def _intervals(view: torch.Tensor, block: int, cap: int = 4096) -> list[tuple[int, int]] | None:
-    """Absolute byte intervals of one block's page, or None when there are too many."""
-    page = view[block]
-    shape, stride = list(page.shape), list(page.stride())
-    if math.prod(shape[:-1]) > cap:
+_MAX_SEGMENTS = 1 << 24
+"""Largest number of contiguous byte runs checked exactly for overlaps."""
+
+
+def _segment_starts(view: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """Start addresses (int64, every block) and length of the contiguous runs of a page view.
+
+    ``view`` is ``(num_blocks, d1, ..., dk)`` uint8 with merged dims; every run
+    is ``dk * stride_k`` bytes long when ``stride_k == 1``, else 1 byte. Returns
+    None when there are more than ``_MAX_SEGMENTS`` runs.
+    """
+    shape, stride = list(view.shape), list(view.stride())
+    if stride[-1] == 1:
+        run, outer, outer_stride = shape[-1], shape[:-1], stride[:-1]
+    else:
+        run, outer, outer_stride = 1, shape, stride
+    if math.prod(outer) > _MAX_SEGMENTS:
         return None
-    base = page.data_ptr()
-    starts = [base]
-    for size, st in zip(shape[:-1], stride[:-1], strict=True):
-        starts = [s + i * st for s in starts for i in range(size)]
-    return [(s, s + shape[-1] * stride[-1]) for s in starts]
+    starts = torch.zeros((), dtype=torch.int64) + view.data_ptr()
+    for size, st in zip(outer, outer_stride, strict=True):
+        starts = (starts.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * st).flatten()
+    return starts.flatten(), run
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the pages of two layer views share a byte (checked on sample blocks)."""
-    nb_a, nb_b = a.size(0), b.size(0)
-    samples_a = sorted({0, 1 % nb_a, nb_a - 1})
-    samples_b = sorted({0, 1 % nb_b, nb_b - 1})
-    for i in samples_a:
-        ia = _intervals(a, i)
-        for j in samples_b:
-            ib = _intervals(b, j)
-            if ia is None or ib is None:
-                continue
-            for s1, e1 in ia:
-                for s2, e2 in ib:
-                    if s1 < e2 and s2 < e1:
-                        return True
-    return False
+def _first_overlap(runs: list[tuple[torch.Tensor, int]]) -> tuple[int, int] | None:
+    """Indices of two run lists that share a byte, or ``(i, i)`` for a self-overlap.
+
+    Exact: every run of every list, sorted by start; a run that begins before
+    the furthest end seen so far overlaps an earlier one.
+    """
+    starts = torch.cat([r[0] for r in runs])
+    ends = torch.cat([r[0] + r[1] for r in runs])
+    owner = torch.cat([torch.full_like(r[0], i) for i, r in enumerate(runs)])
+    order = torch.argsort(starts, stable=True)
+    starts, ends, owner = starts[order], ends[order], owner[order]
+    reach, _ = torch.cummax(ends, dim=0)
+    clash = torch.nonzero(starts[1:] < reach[:-1])
+    if clash.numel() == 0:
+        return None
+    i = int(clash[0, 0]) + 1
+    # the earlier run that reaches past starts[i]
+    j = int(torch.nonzero(ends[:i] > starts[i])[0, 0])
+    return int(owner[j]), int(owner[i])
+
+
+def _check_disjoint(
+    group_id: int,
+    regions: list[LayerRegion],
+    layer_runs: list[tuple[tuple[torch.Tensor, int] | None, int]],
+) -> None:
+    """Raise LayoutError when two blocks or two layers of one group share a byte.
+
+    Exact over every block (layers on one storage are checked together, one
+    sort); pages with more than ``_MAX_SEGMENTS`` runs in all are not checked.
+    """
+    by_storage: dict[int, list[int]] = {}
+    for i, (runs, storage) in enumerate(layer_runs):
+        if runs is not None:
+            by_storage.setdefault(storage, []).append(i)
+    for members in by_storage.values():
+        clash = _first_overlap([layer_runs[i][0] for i in members])  # type: ignore[misc]
+        if clash is None:
+            continue
+        a, b = (regions[members[k]].names[0] for k in clash)
+        if a == b:
+            raise LayoutError(
+                f"group {group_id}: layer {a!r} has blocks (or parts of one page) that share "
+                "bytes (an expanded / stride-0 or self-overlapping view)"
+            )
+        raise LayoutError(f"group {group_id}: layer {b!r} overlaps layer {a!r}")
+
+
+def page_intervals(view: torch.Tensor, block: int) -> list[tuple[int, int]]:
+    """Absolute byte intervals ``[start, end)`` of one block's page of a layer view."""
+    got = _segment_starts(view[block : block + 1])
+    if got is None:  # too many runs: the page's bounding extent (conservative)
+        page = view[block]
+        last = sum((n - 1) * st for n, st in zip(page.shape, page.stride(), strict=True))
+        return [(page.data_ptr(), page.data_ptr() + last + 1)]
+    starts, run = got
+    return [(int(x), int(x) + run) for x in starts.tolist()]
 
 
 class KVLayout:
@@ -275,7 +327,7 @@ class KVLayout:
                 raise LayoutError(f"tokens_per_block for group {group_id} must be > 0: {tpb!r}")
             regions: list[LayerRegion] = []
             seen: dict[tuple[Any, ...], int] = {}
-            views: list[torch.Tensor] = []
+            layer_runs: list[tuple[tuple[torch.Tensor, int] | None, int]] = []
             for name, tensor in layers.items():
                 if not isinstance(tensor, torch.Tensor):
                     raise LayoutError(f"layer {name!r}: expected a torch.Tensor")
@@ -328,13 +380,9 @@ class KVLayout:
                         old.block_dim,
                     )
                     continue
-                for other_view, other in zip(views, regions, strict=True):
-                    if _overlaps(view, other_view):
-                        raise LayoutError(
-                            f"group {group_id}: layer {name!r} overlaps layer {other.names[0]!r}"
-                        )
+                runs = _segment_starts(view)
+                layer_runs.append((runs, view.untyped_storage().data_ptr()))
                 seen[ident] = len(regions)
-                views.append(view)
                 regions.append(
                     LayerRegion(
                         (name,),
@@ -347,6 +395,7 @@ class KVLayout:
                         bd,
                     )
                 )
+            _check_disjoint(group_id, regions, layer_runs)
             nbs = {r.num_blocks for r in regions}
             if len(nbs) != 1:
                 raise LayoutError(f"group {group_id}: layers disagree on num_blocks: {sorted(nbs)}")

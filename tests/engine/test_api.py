@@ -168,6 +168,11 @@ async def test_bad_load_raises_typed_error_and_changes_nothing(case: str) -> Non
             errors.LayoutError,
         ),
         (lambda: _overlapping(), errors.LayoutError),
+        (lambda: _overlapping_blocks(), errors.LayoutError),
+        (
+            lambda: kvtier.KVLayout.from_tensors({0: {"a": torch.zeros(1, 64).expand(8, 64)}}),
+            errors.LayoutError,
+        ),
         (lambda: kvtier.KVLayout.from_tensors({0: {"a": torch.zeros(0, 8)}}), errors.LayoutError),
     ],
 )
@@ -175,6 +180,12 @@ def test_bad_construction_raises_typed_value_error(make, error) -> None:
     with pytest.raises(error) as info:
         make()
     assert isinstance(info.value, ValueError)
+
+
+def _overlapping_blocks() -> kvtier.KVLayout:
+    # Same shape and strides, shifted by two blocks: only blocks 2..9 overlap.
+    base = torch.zeros(12, 256)
+    return kvtier.KVLayout.from_tensors({0: {"a": base[:10], "b": base[2:12]}})
 
 
 def _overlapping() -> kvtier.KVLayout:

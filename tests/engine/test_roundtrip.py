@@ -242,3 +242,31 @@ async def test_odd_payload_layer_before_a_wide_layer() -> None:
         await engine.load([kvtier.Chunk(key("o", 0), [1, 3, 5])])
     assert same(odd[[1, 3, 5]], before[0][[4, 0, 2]])
     assert same(wide[[1, 3, 5]], before[1][[4, 0, 2]])
+
+
+async def test_groups_aliasing_one_tensor_with_different_block_dims() -> None:
+    # Group 0 pages are rows t[b], group 1 pages are columns t[:, b]: they cross.
+    t = torch.empty((8, 8, 64), dtype=torch.uint8)
+    fill_random(t, 30)
+    layout = kvtier.KVLayout.from_tensors(
+        {0: {"rows": t}, 1: {"cols": t}}, block_dim={"rows": 0, "cols": 1}
+    )
+    async with kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 1)) as engine:
+        await engine.store([kvtier.Chunk(key("r", 0), [5]), kvtier.Chunk(key("c", 1), [6])])
+        with pytest.raises(kvtier.errors.BlockIdError):
+            await engine.load([kvtier.Chunk(key("r", 0), [2]), kvtier.Chunk(key("c", 1), [3])])
+        assert engine.stats().load_jobs == 0
+
+
+async def test_packed_groups_may_load_the_same_block_id_in_one_call() -> None:
+    base = torch.empty((6, 2, 512), dtype=torch.uint8)  # block = [group 0 | group 1]
+    fill_random(base, 31)
+    before = base.clone()
+    layout = kvtier.KVLayout.from_tensors({0: {"a": base[:, 0]}, 1: {"b": base[:, 1]}})
+    async with kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 1)) as engine:
+        await engine.store([kvtier.Chunk(key("a", 0), [1]), kvtier.Chunk(key("b", 1), [2])])
+        base.zero_()
+        out = await engine.load([kvtier.Chunk(key("a", 0), [4]), kvtier.Chunk(key("b", 1), [4])])
+        assert not out.failed
+    assert same(base[4, 0], before[1, 0])
+    assert same(base[4, 1], before[2, 1])
