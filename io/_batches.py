@@ -306,11 +306,15 @@ async def scan(tier: NVMeTier) -> None:
     for g, spec in tier._specs.items():
         group_dir = tier.directory / f"g{g}"
         numbers = await tier._run(_files.list_segments, group_dir)
-        scans = await asyncio.gather(
-            *(
-                tier._run(_files.scan_segment, tier._row_io, group_dir / f"{n}.kvrows", spec, n)
-                for n in numbers
-            )
+
+        def keep(i: int, scan: _files.ScanResult, g: int = g, numbers: list[int] = numbers) -> None:
+            if scan.handle is not None:  # recorded at once: a failed open closes it
+                tier._segments[(g, numbers[i])] = scan.handle
+
+        scans = await tier._run_kept(
+            _files.scan_segment,
+            [(tier._row_io, group_dir / f"{n}{_files.SEGMENT_SUFFIX}", spec, n) for n in numbers],
+            keep,
         )
         for n, scan in zip(numbers, scans, strict=True):
             if scan.handle is None:
@@ -318,7 +322,6 @@ async def scan(tier: NVMeTier) -> None:
                 tier._counts["invalid_segments_at_open"] += 1
                 tier._index.skip_segment(g, n)
                 continue
-            tier._segments[(g, n)] = scan.handle
             found[(g, n)] = (scan.num_rows, scan.allocated_rows)
             rows.extend(scan.rows)
             tier._counts["invalid_rows_at_open"] += scan.invalid_rows

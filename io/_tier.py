@@ -205,9 +205,36 @@ class NVMeTier:
 
     # -- lifecycle --------------------------------------------------------------
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+    def _submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         assert self._executor is not None
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self._submit(fn, *args)
+
+    async def _run_kept(
+        self,
+        fn: Callable[..., T],
+        calls: Sequence[tuple[Any, ...]],
+        keep: Callable[[int, T], None],
+    ) -> list[T]:
+        """Run ``fn(*args)`` for each ``args`` of ``calls`` on the workers; return the results.
+
+        For steps whose results own resources (the namespace lock fd, segment
+        handles): the await never abandons a worker thread. ``keep(i,
+        result)`` is called for every call that returned, also when the
+        awaiting task is cancelled or another call raised, so that
+        :meth:`_release` can free what was acquired. Once all calls have
+        ended, a cancellation is re-raised, else the first call's exception.
+        """
+        futures = [self._submit(fn, *args) for args in calls]
+        try:
+            await _settle(futures)
+        finally:
+            for i, fut in enumerate(futures):
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    keep(i, fut.result())
+        return [fut.result() for fut in futures]
 
     async def open(self) -> None:
         """Prepare the directory, take the lock, choose the backend and rebuild the index.
@@ -225,10 +252,17 @@ class NVMeTier:
         io_backend, direct_io, io_threads, wrapper = self._options
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-io")
         try:
-            self._lock_fd = await self._run(
-                _files.prepare_directory, self._root, self.directory, self._format_json
+            # Every step runs to its end even if this task is cancelled meanwhile:
+            # a worker thread that took the lock after an abandoned await would
+            # leave the namespace locked for the rest of the process.
+            await self._run_kept(
+                _files.prepare_directory,
+                [(self._root, self.directory, self._format_json)],
+                self._keep_lock_fd,
             )
-            inner = await self._run(select_backend, io_backend, direct_io, self.directory)
+            (inner,) = await self._run_kept(
+                select_backend, [(io_backend, direct_io, self.directory)], _keep_nothing
+            )
             self._counts["direct_io_fallback"] = int(direct_io == "auto" and not inner.direct)
             self._row_io = wrapper(inner) if wrapper is not None else inner
             await _batches.scan(self)
@@ -252,8 +286,11 @@ class NVMeTier:
                 _files.release_lock(lock_fd)
 
         if self._executor is not None:
-            await self._run(release)
+            await _settle([self._submit(release)])  # a cancelled wait still releases
             self._executor.shutdown(wait=False)
+
+    def _keep_lock_fd(self, _: int, fd: int) -> None:
+        self._lock_fd = fd
 
     async def close(self) -> None:
         """Wait for in-flight I/O, fdatasync written segments, close files, release the lock.
@@ -491,3 +528,26 @@ class NVMeTier:
         """
         while self._tasks:
             await asyncio.wait(list(self._tasks))
+
+
+def _keep_nothing(_: int, __: object) -> None:
+    pass
+
+
+async def _settle(futures: Sequence[asyncio.Future[Any]]) -> None:
+    """Wait until every future is done, even if the awaiting task is cancelled meanwhile.
+
+    The futures are not cancelled (a worker thread cannot be stopped: its
+    result would be lost). A cancellation of the waiter is re-raised once all
+    futures are done; their own outcomes are left to the caller.
+    """
+    cancelled: asyncio.CancelledError | None = None
+    pending = [f for f in futures if not f.done()]
+    while pending:
+        try:
+            await asyncio.wait(pending)
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+        pending = [f for f in pending if not f.done()]
+    if cancelled is not None:
+        raise cancelled
