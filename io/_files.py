@@ -15,6 +15,8 @@ import json
 import mmap
 import os
 import pathlib
+import re
+import stat
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -148,14 +150,23 @@ def release_lock(fd: int) -> None:
         os.close(fd)
 
 
+_SEGMENT_NAME = re.compile(r"(0|[1-9][0-9]*)" + re.escape(SEGMENT_SUFFIX))
+
+
 def list_segments(group_dir: pathlib.Path) -> list[int]:
-    """Segment numbers present in a group folder, ascending."""
+    """Segment numbers present in a group folder, ascending.
+
+    Only names the tier writes count (``<n>.kvrows``, ``n`` in ASCII digits
+    without leading zeros): other names (a superscript digit, ``007.kvrows``) are
+    foreign files and are ignored. An entry with a segment name may still be
+    unusable (a directory, a dangling link): :func:`scan_segment` reports it.
+    """
     numbers = []
     if group_dir.is_dir():
         for path in group_dir.iterdir():
-            stem = path.name.removesuffix(SEGMENT_SUFFIX)
-            if path.name.endswith(SEGMENT_SUFFIX) and stem.isdigit():
-                numbers.append(int(stem))
+            m = _SEGMENT_NAME.fullmatch(path.name)
+            if m:
+                numbers.append(int(m.group(1)))
     return sorted(numbers)
 
 
@@ -183,10 +194,15 @@ def scan_segment(row_io: RowIO, path: pathlib.Path, spec: GroupSpec, number: int
     its header announces; the rows it holds in full are allocated, the rest
     are not (a row cut in the middle counts invalid). Blank (all-zero)
     trailers are free rows; undecodable or foreign trailers are counted
-    invalid (and are free space). Nothing is written.
+    invalid (and are free space). Nothing is written. An entry that is not a
+    regular file (a directory, a FIFO) or cannot be opened (a dangling link)
+    is unusable, like a bad header: never an exception.
     """
-    handle = row_io.open(path, create=False)
+    handle: Any = None
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise StorageError("header", f"{path.name} is not a regular file")
+        handle = row_io.open(path, create=False)
         buf = _aligned(HEADER_NBYTES)
         if row_io.preadv(handle, [memoryview(buf)], 0) != HEADER_NBYTES:
             raise StorageError("header", "short segment header")
@@ -221,7 +237,9 @@ def scan_segment(row_io: RowIO, path: pathlib.Path, spec: GroupSpec, number: int
             )
         return result
     except (StorageError, OSError) as exc:
-        row_io.close(handle)
+        if handle is not None:
+            with contextlib.suppress(OSError):
+                row_io.close(handle)
         return ScanResult(None, error=str(exc))
 
 

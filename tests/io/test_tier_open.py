@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pathlib
 import random
 import threading
 import time
@@ -130,3 +131,59 @@ async def test_open_cancelled_at_random_points_leaks_nothing(tmp_path) -> None:
         probe = NVMeTier(**tier_kwargs(root))
         await probe.open()  # the namespace is free again
         await probe.close()
+
+
+def _stray(kind: str, g0: pathlib.Path) -> str:
+    """Put a stray entry named like a segment in ``g0``; return its name."""
+    if kind == "directory":
+        (g0 / "1.kvrows").mkdir()
+    elif kind == "dangling_symlink":
+        (g0 / "1.kvrows").symlink_to(g0 / "nonexistent")
+    elif kind == "fifo":
+        os.mkfifo(g0 / "1.kvrows")
+    elif kind == "superscript_digit":
+        (g0 / "\u00b2.kvrows").write_bytes(b"\0" * 8192)  # str.isdigit() but not int()
+    else:
+        (g0 / "01.kvrows").mkdir()  # a leading zero: not a name the tier writes
+    return next(p.name for p in g0.iterdir() if p.name != "0.kvrows")
+
+
+@pytest.mark.parametrize(
+    ("kind", "counted"),
+    [
+        ("directory", 1),
+        ("dangling_symlink", 1),
+        ("fifo", 1),
+        ("superscript_digit", 0),
+        ("leading_zero", 0),
+    ],
+)
+async def test_stray_segment_entry_is_skipped(tmp_path, slots, kind, counted) -> None:
+    root = tmp_path / "nvme"
+    tier = NVMeTier(**tier_kwargs(root))
+    await tier.open()
+    buf = slots(60, 32 * 1024)
+    first = [(key(0), 0, 4, buf.fill(0, payload(key(0), GROUP_NBYTES[0])))]
+    assert await tier.write_rows(first) == [None]
+    await tier.close()
+    g0 = tier.directory / "g0"
+    name = _stray(kind, g0)
+    tier = NVMeTier(**tier_kwargs(root))
+    await tier.open()  # neither a raw OSError nor a ValueError
+    try:
+        assert tier.contains(key(0))
+        assert tier.stats()["invalid_segments_at_open"] == counted
+        # enough rows for a second segment: its number skips an unusable "1.kvrows"
+        rows_per_segment = ((1 << 20) - 4096) // tier.row_nbytes(0)
+        n = rows_per_segment + 5
+        rows = [(key(i), 0, 4, buf.fill(i, payload(key(i), GROUP_NBYTES[0]))) for i in range(1, n)]
+        assert await tier.write_rows(rows) == [None] * len(rows)
+        assert all(tier.contains(key(i)) for i in range(n))
+    finally:
+        await tier.close()
+    assert (g0 / name).exists() or (g0 / name).is_symlink()  # left alone
+    again = NVMeTier(**tier_kwargs(root))
+    await again.open()
+    assert all(again.contains(key(i)) for i in range(n))
+    assert again.stats()["invalid_segments_at_open"] == counted
+    await again.close()
