@@ -55,6 +55,8 @@ class NVMeConfig:
         _positive_int("NVMeConfig.capacity_bytes", self.capacity_bytes)
         _positive_int("NVMeConfig.io_threads", self.io_threads)
         _positive_int("NVMeConfig.segment_nbytes", self.segment_nbytes)
+        if self.segment_nbytes < 2 * 4096:
+            raise ConfigError(f"NVMeConfig.segment_nbytes must be >= 8192: {self.segment_nbytes}")
         _positive_int("NVMeConfig.request_nbytes", self.request_nbytes)
         if self.request_nbytes % 4096:
             raise ConfigError(
@@ -68,6 +70,8 @@ class NVMeConfig:
             raise ConfigError(f"NVMeConfig.direct_io {self.direct_io!r} not in auto/on/off")
         if not isinstance(self.root, str | os.PathLike):
             raise ConfigError(f"NVMeConfig.root must be a path, got {type(self.root).__name__}")
+        if "\0" in os.fsdecode(self.root) or "\0" in self.namespace:
+            raise ConfigError("NVMeConfig.root and namespace must not contain NUL bytes")
 
 
 @dataclass(frozen=True)

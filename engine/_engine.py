@@ -493,8 +493,8 @@ class TransferEngine:
                 stored.append(key)
         p.ready.set_result(error is None and not ctx.cancelled)
         result = StoreResult(tuple(stored), tuple(p.skipped), tuple(rejected))
-        if self._writer is None or not self.config.write_through:
-            return result
+        if self._writer is None or not (self.config.write_through or durable):
+            return result  # write_through=False: only durable stores write rows
         if stored:
             self._writer.enqueue([(k, p.by_key[k].offset, p.by_key[k].stop) for k in stored])
         if durable:
@@ -638,9 +638,9 @@ class TransferEngine:
 
     async def _load(self, chunks: list[Chunk], ctx: _Ctx) -> LoadResult:
         failed: dict[OffloadKey, BaseException] = {}
-        # Wait for stores / promotions in flight on these keys.
-        waits = {self._ready[c.key] for c in chunks if c.key in self._ready}
-        if waits:
+        # Wait for stores / promotions in flight on these keys (another load may
+        # start promoting one of them while we wait: wait again until none is).
+        while waits := {self._ready[c.key] for c in chunks if c.key in self._ready}:
             await asyncio.gather(*waits)
         pinned: list[Chunk] = []
         promote: list[Chunk] = []

@@ -57,8 +57,10 @@ class OffloadKey:
             )
         if isinstance(self.group_id, bool) or not isinstance(self.group_id, int):
             raise InvalidArgumentError(f"OffloadKey.group_id must be int, got {self.group_id!r}")
-        if self.group_id < 0:
-            raise InvalidArgumentError(f"OffloadKey.group_id must be >= 0, got {self.group_id}")
+        if not 0 <= self.group_id < 1 << 32:
+            raise InvalidArgumentError(
+                f"OffloadKey.group_id must be in [0, 2**32), got {self.group_id}"
+            )
 
 
 def _bool(value: bool) -> bool:

@@ -24,7 +24,10 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
     if not m:
         raise click.BadParameter(f"{text!r} is not a size like 512M or 2G")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
+    size = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if size <= 0:
+        raise click.BadParameter(f"{text!r}: the size must be positive")
+    return size
 
 
 def _run(coro: Any) -> Any:

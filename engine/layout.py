@@ -311,11 +311,19 @@ class KVLayout:
         unknown = set(payload_nbytes) - known_names
         if unknown:
             raise LayoutError(f"payload_nbytes names unknown layers: {sorted(unknown)}")
+        if isinstance(block_dim, Mapping) and set(block_dim) - known_names:
+            raise LayoutError(
+                f"block_dim names unknown layers: {sorted(set(block_dim) - known_names)}"
+            )
         device: torch.device | None = None
         built: dict[int, GroupLayout] = {}
         for group_id, layers in groups.items():
-            if isinstance(group_id, bool) or not isinstance(group_id, int) or group_id < 0:
-                raise LayoutError(f"group_id must be an int >= 0, got {group_id!r}")
+            if (
+                isinstance(group_id, bool)
+                or not isinstance(group_id, int)
+                or not 0 <= group_id < 1 << 32
+            ):
+                raise LayoutError(f"group_id must be an int in [0, 2**32), got {group_id!r}")
             if not isinstance(layers, Mapping) or not layers:
                 raise LayoutError(f"group {group_id} has no layer tensors")
             tpb = (
@@ -331,6 +339,11 @@ class KVLayout:
             for name, tensor in layers.items():
                 if not isinstance(tensor, torch.Tensor):
                     raise LayoutError(f"layer {name!r}: expected a torch.Tensor")
+                if tensor.is_conj() or tensor.is_neg():
+                    raise LayoutError(
+                        f"layer {name!r}: a lazy conj/neg view; register tensor.resolve_conj()"
+                        " / .resolve_neg() (its bytes are not the values)"
+                    )
                 if tensor.is_sparse or tensor.device.type == "meta" or tensor.is_quantized:
                     raise LayoutError(
                         f"layer {name!r}: {tensor.device}/{tensor.layout} tensors are not supported"

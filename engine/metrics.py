@@ -7,11 +7,19 @@ it adds no cost to the hot path.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from kvtier.errors import InvalidArgumentError
+
 if TYPE_CHECKING:
     from kvtier._engine import TransferEngine
+
+# registry -> (namespace, labels) already exported there (weak: registries come and go)
+_REGISTERED: weakref.WeakKeyDictionary[Any, set[tuple[str, tuple[tuple[str, str], ...]]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 class _EngineCollector:
@@ -19,6 +27,7 @@ class _EngineCollector:
         self._engine = engine
         self._ns = namespace
         self._labels = labels
+        self.ident: tuple[str, tuple[tuple[str, str], ...]] = ("", ())
 
     def describe(self) -> list[Any]:
         return []
@@ -28,9 +37,15 @@ class _EngineCollector:
 
         ns, names = self._ns, list(self._labels)
         values = list(self._labels.values())
-        try:
-            s = self._engine.stats()
-        except Exception:  # engine closed: export nothing
+        # Scrapes run on the exporter's thread while the engine's loop mutates
+        # its dicts: a snapshot taken mid-change raises; take another one.
+        for _ in range(8):
+            try:
+                s = self._engine.stats()
+                break
+            except RuntimeError:
+                continue
+        else:
             return
 
         def gauge(name: str, doc: str, value: float, extra: dict[str, str] | None = None) -> Any:
@@ -159,9 +174,30 @@ def register_prometheus(
 
     Raises:
         ImportError: ``prometheus_client`` is not installed.
+        InvalidArgumentError: an engine is already exported to ``registry``
+            with the same namespace and labels (series would collide).
     """
     import prometheus_client
 
+    registry = registry or prometheus_client.REGISTRY
+    ident = (namespace, tuple(sorted((labels or {}).items())))
+    taken = _REGISTERED.setdefault(registry, set())
+    if ident in taken:
+        raise InvalidArgumentError(
+            f"an engine is already exported to this registry with labels {dict(ident[1])}: "
+            "pass labels= (e.g. {'rank': '1'}) to tell engines apart"
+        )
     collector = _EngineCollector(engine, namespace, dict(labels or {}))
-    (registry or prometheus_client.REGISTRY).register(collector)
+    registry.register(collector)
+    taken.add(ident)
+    collector.ident = ident
     return collector
+
+
+def unregister_prometheus(collector: Any, registry: Any = None) -> None:
+    """Stop exporting an engine registered by :func:`register_prometheus`."""
+    import prometheus_client
+
+    registry = registry or prometheus_client.REGISTRY
+    registry.unregister(collector)
+    _REGISTERED.get(registry, set()).discard(collector.ident)

@@ -168,6 +168,28 @@ async def test_bad_load_raises_typed_error_and_changes_nothing(case: str) -> Non
             errors.LayoutError,
         ),
         (lambda: _overlapping(), errors.LayoutError),
+        (lambda: kvtier.OffloadKey(b"x", 1 << 32), errors.InvalidArgumentError),
+        (
+            lambda: kvtier.KVLayout.from_tensors({1 << 32: {"a": torch.zeros(4, 8)}}),
+            errors.LayoutError,
+        ),
+        (
+            lambda: kvtier.KVLayout.from_tensors(
+                {0: {"a": torch.zeros(4, 8, dtype=torch.complex64).conj()}}
+            ),
+            errors.LayoutError,
+        ),
+        (
+            lambda: kvtier.KVLayout.from_tensors(
+                {0: {"kv": torch.zeros(2, 8, 16)}}, block_dim={"k v": 1}
+            ),
+            errors.LayoutError,
+        ),
+        (
+            lambda: kvtier.NVMeConfig(root="/tmp", capacity_bytes=1 << 20, segment_nbytes=4096),
+            errors.ConfigError,
+        ),
+        (lambda: kvtier.NVMeConfig(root="/tmp/a\0b", capacity_bytes=1 << 20), errors.ConfigError),
         (lambda: _overlapping_blocks(), errors.LayoutError),
         (
             lambda: kvtier.KVLayout.from_tensors({0: {"a": torch.zeros(1, 64).expand(8, 64)}}),

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
 import kvtier
-from kvtier.metrics import register_prometheus
+from kvtier.metrics import register_prometheus, unregister_prometheus
 from tests.engine.helpers import fill_random, key
 
 
@@ -33,3 +34,19 @@ async def test_prometheus_collector_reports_engine_counters() -> None:
         assert value("kvtier_resident_keys", tier="cpu", group_id="1") == 1
         stats = engine.stats()
         assert value("kvtier_slot_waste_bytes") == stats.slot_waste_nbytes > 0
+
+
+async def test_two_engines_need_distinct_labels() -> None:
+    layout = kvtier.KVLayout.from_tensors({0: {"a": torch.zeros(4, 1024, dtype=torch.uint8)}})
+    registry = CollectorRegistry()
+    async with (
+        kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 1)) as e1,
+        kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 1)) as e2,
+    ):
+        first = register_prometheus(e1, registry)
+        with pytest.raises(kvtier.errors.InvalidArgumentError):
+            register_prometheus(e2, registry)
+        register_prometheus(e2, registry, labels={"rank": "1"})
+        assert registry.get_sample_value("kvtier_slots", {"state": "free"}) == e1.num_slots
+        unregister_prometheus(first, registry)
+        assert registry.get_sample_value("kvtier_slots", {"state": "free"}) is None

@@ -143,3 +143,19 @@ async def test_corrupt_payload_byte_is_a_counted_miss_and_others_load(tmp_path: 
     assert same(t[good], before[good])
     assert int(t[list(bad_blocks)].count_nonzero()) == 0  # no wrong bytes reached the "GPU"
     assert row > 0
+
+
+async def test_durable_store_writes_rows_even_without_write_through(tmp_path: Path) -> None:
+    t = torch.empty((4, 4096), dtype=torch.uint8)
+    fill_random(t, 9)
+    layout = kvtier.KVLayout.from_tensors({0: {"a": t}})
+    nv = kvtier.NVMeConfig(root=tmp_path, capacity_bytes=1 << 24, segment_nbytes=1 << 20)
+    cfg = kvtier.EngineConfig(1 << 20, 1, nvme=nv, write_through=False)
+    async with kvtier.TransferEngine(layout, cfg) as engine:
+        await engine.store([kvtier.Chunk(key("lazy", 0), [0])])  # CPU only
+        await engine.store([kvtier.Chunk(key("durable", 0), [1])], durable=True)
+    async with kvtier.TransferEngine(layout, cfg) as engine:
+        assert engine.lookup([key("lazy", 0), key("durable", 0)]) == [
+            kvtier.Residency.MISS,
+            kvtier.Residency.NVME,
+        ]
