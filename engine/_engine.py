@@ -288,6 +288,17 @@ class TransferEngine:
             self._region.close()
             self._region = None
 
+    def _task_done(self, task: asyncio.Future[Any]) -> None:
+        """Forget a finished internal task and retrieve its outcome.
+
+        A caller cancelled while the task ran no longer awaits it (the shield
+        dropped its callback); retrieving the exception here keeps asyncio
+        from logging "Task exception was never retrieved".
+        """
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()
+
     def _check_open(self) -> None:
         if self._state != "open":
             raise EngineClosedError(f"engine is {self._state}; no call is accepted")
@@ -445,7 +456,7 @@ class TransferEngine:
         ctx = _Ctx()
         task = asyncio.ensure_future(self._finish_store(prepared, durable, ctx))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -541,7 +552,7 @@ class TransferEngine:
     def _start_job(self, direction: Direction, calls: list[_Call]) -> None:
         task = asyncio.ensure_future(self._run_job(direction, calls))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
 
     async def _run_job(self, direction: Direction, calls: list[_Call]) -> None:
         plan = [c for call in calls for c in call.copies]
@@ -612,7 +623,7 @@ class TransferEngine:
         ctx = _Ctx()
         task = asyncio.ensure_future(self._load(list(chunks), ctx))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
