@@ -6,6 +6,8 @@ import fcntl
 import json
 import os
 import pathlib
+import re
+import stat
 from typing import Any
 
 from kvtier.errors import StorageError
@@ -20,44 +22,101 @@ from kvtier.io._format import (
 
 __all__ = ["inspect_root"]
 
+_GROUP_NAME = re.compile(r"g(0|[1-9][0-9]*)")
+
+
+def _invalid_segment(info: dict[str, Any], error: str) -> dict[str, Any]:
+    info.update(header_valid=False, error=error, rows=0, valid_rows=0, invalid_rows=0)
+    return info
+
 
 def _inspect_segment(path: pathlib.Path, digest: bytes | None, group_id: int) -> dict[str, Any]:
-    info: dict[str, Any] = {"file": path.name, "nbytes": path.stat().st_size}
-    with open(path, "rb") as f:
-        try:
-            header = decode_header(f.read(HEADER_NBYTES))
-        except StorageError as exc:
-            info.update(header_valid=False, error=str(exc), rows=0, valid_rows=0, invalid_rows=0)
-            return info
-        payload_region = header.row_nbytes - TRAILER_NBYTES
-        valid = invalid = 0
-        for i in range(header.num_rows):
-            f.seek(HEADER_NBYTES + i * header.row_nbytes + payload_region)
-            raw = f.read(TRAILER_NBYTES)
-            if len(raw) < TRAILER_NBYTES:
-                invalid += int(bool(raw))
-                continue
-            if is_blank(raw):
-                continue
+    """Summarize one segment; an unusable entry is reported with ``error`` (never raises)."""
+    info: dict[str, Any] = {"file": path.name, "nbytes": 0}
+    try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):  # a directory, a FIFO (open would block)...
+            return _invalid_segment(info, "not a regular file")
+        info["nbytes"] = st.st_size
+        with open(path, "rb") as f:
             try:
-                trailer = decode_trailer(raw)
-            except StorageError:
-                invalid += 1
-                continue
-            ok = trailer.group_id == group_id and (digest is None or trailer.digest == digest)
-            valid += ok
-            invalid += not ok
+                header = decode_header(f.read(HEADER_NBYTES))
+            except (StorageError, ValueError) as exc:
+                return _invalid_segment(info, str(exc))
+            row = header.row_nbytes
+            if row <= TRAILER_NBYTES or row % TRAILER_NBYTES:
+                return _invalid_segment(info, f"segment header: row_nbytes {row} invalid")
+            allocated = min(header.num_rows, max(0, (st.st_size - HEADER_NBYTES) // row))
+            valid = invalid = 0
+            # rows past the first one the file does not hold in full have no trailer
+            for i in range(min(header.num_rows, allocated + 1)):
+                f.seek(HEADER_NBYTES + i * row + row - TRAILER_NBYTES)
+                raw = f.read(TRAILER_NBYTES)
+                if len(raw) < TRAILER_NBYTES:
+                    invalid += int(bool(raw))
+                    continue
+                if is_blank(raw):
+                    continue
+                try:
+                    trailer = decode_trailer(raw)
+                except (StorageError, ValueError):
+                    invalid += 1
+                    continue
+                ok = trailer.group_id == group_id and (digest is None or trailer.digest == digest)
+                valid += ok
+                invalid += not ok
+    except OSError as exc:  # a dangling link, no permission, EIO
+        return _invalid_segment(info, f"cannot read: {exc.strerror or exc}")
     info.update(
         header_valid=digest is None or header.digest == digest,
-        row_nbytes=header.row_nbytes,
+        row_nbytes=row,
         rows=header.num_rows,
-        allocated_rows=min(
-            header.num_rows, max(0, (info["nbytes"] - HEADER_NBYTES) // header.row_nbytes)
-        ),
+        allocated_rows=allocated,
         valid_rows=valid,
         invalid_rows=invalid,
     )
     return info
+
+
+def _read_format(
+    directory: pathlib.Path, errors: list[str]
+) -> tuple[dict[str, Any] | None, bytes | None]:
+    """``format.json`` as a dict (None when missing or unusable) and its digest."""
+    path = directory / "format.json"
+    try:
+        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO would block
+            errors.append("format.json: not a regular file")
+            return None, None
+        fmt = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError, RecursionError) as exc:  # not JSON, not UTF-8, too deep
+        errors.append(f"format.json: unreadable: {exc}")
+        return None, None
+    if not isinstance(fmt, dict):
+        errors.append(f"format.json: not a JSON object ({type(fmt).__name__})")
+        return None, None
+    if "digest" not in fmt:
+        errors.append("format.json: no digest")
+        return fmt, None
+    try:
+        return fmt, bytes.fromhex(fmt["digest"])
+    except (TypeError, ValueError):
+        errors.append(f"format.json: digest {fmt['digest']!r} is not hex")
+        return fmt, None
+
+
+def _inspect_group(group_dir: pathlib.Path, digest: bytes | None, group_id: int) -> dict[str, Any]:
+    segs = [
+        _inspect_segment(group_dir / f"{n}{SEGMENT_SUFFIX}", digest, group_id)
+        for n in list_segments(group_dir)
+    ]
+    return {
+        "segments": segs,
+        "rows": sum(s["rows"] for s in segs),
+        "valid_rows": sum(s["valid_rows"] for s in segs),
+        "invalid_rows": sum(s["invalid_rows"] for s in segs),
+    }
 
 
 def _lock_holder(lock: pathlib.Path) -> int | None:
@@ -69,14 +128,17 @@ def _lock_holder(lock: pathlib.Path) -> int | None:
     if not lock.exists():
         return None
     try:
-        fd = os.open(lock, os.O_RDONLY)
+        fd = os.open(lock, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO would block
     except OSError:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        pid = lock.read_text().strip()
-        return int(pid) if pid.isdigit() else -1
+        try:
+            pid = os.pread(fd, 32, 0).strip()
+        except OSError:
+            return -1
+        return int(pid) if pid.isdigit() and len(pid) < 20 else -1  # bytes: ASCII only
     except OSError:
         return None
     else:
@@ -96,10 +158,17 @@ def inspect_root(root: str | os.PathLike[str]) -> dict[str, Any]:
         root: the NVMe root given to the tier.
 
     Returns:
-        ``{"root": str, "namespaces": [{"directory", "format" (format.json or
-        None), "locked_by_pid", "groups": {group_id: {"segments": [...],
-        "rows", "valid_rows", "invalid_rows"}}}]}``; a segment's ``rows``
-        is its header's row count, ``allocated_rows`` the rows its file holds.
+        ``{"root": str, "namespaces": [{"directory", "format" (format.json
+        as a dict, or None), "locked_by_pid", "groups": {group_id:
+        {"segments": [...], "rows", "valid_rows", "invalid_rows"}},
+        "errors": [str]}]}``; a segment's ``rows`` is its header's row
+        count, ``allocated_rows`` the rows its file holds. Garbage is
+        reported, never raised: an unusable segment entry (a directory, a
+        dangling link, a bad header) has ``header_valid`` False and an
+        ``error``; a bad ``format.json`` (not an object, a non-hex digest)
+        or an entry ``g*`` that is not a group folder is described in
+        ``errors``. A ``format.json`` without a usable digest leaves the
+        rows' digests unchecked.
 
     Raises:
         FileNotFoundError, NotADirectoryError: ``root`` is not a directory.
@@ -108,27 +177,23 @@ def inspect_root(root: str | os.PathLike[str]) -> dict[str, Any]:
     base = pathlib.Path(root)
     namespaces = []
     for directory in sorted(p for p in base.iterdir() if p.is_dir()):
-        fmt: dict[str, Any] | None = None
-        try:
-            fmt = json.loads((directory / "format.json").read_text())
-        except (OSError, ValueError):
-            fmt = None
-        digest = bytes.fromhex(fmt["digest"]) if fmt and "digest" in fmt else None
+        errors: list[str] = []
+        fmt, digest = _read_format(directory, errors)
         groups: dict[int, dict[str, Any]] = {}
-        for group_dir in sorted(directory.glob("g*")):
-            if not group_dir.name[1:].isdigit():
+        try:
+            entries = sorted(directory.glob("g*"))
+        except OSError as exc:
+            entries = []
+            errors.append(f"cannot list: {exc}")
+        for group_dir in entries:
+            m = _GROUP_NAME.fullmatch(group_dir.name)
+            if m is None or not group_dir.is_dir():
+                errors.append(f"{group_dir.name}: not a group folder (g<n>)")
                 continue
-            g = int(group_dir.name[1:])
-            segs = [
-                _inspect_segment(group_dir / f"{n}{SEGMENT_SUFFIX}", digest, g)
-                for n in list_segments(group_dir)
-            ]
-            groups[g] = {
-                "segments": segs,
-                "rows": sum(s["rows"] for s in segs),
-                "valid_rows": sum(s["valid_rows"] for s in segs),
-                "invalid_rows": sum(s["invalid_rows"] for s in segs),
-            }
+            try:
+                groups[int(m.group(1))] = _inspect_group(group_dir, digest, int(m.group(1)))
+            except OSError as exc:
+                errors.append(f"{group_dir.name}: cannot list: {exc}")
         pid = _lock_holder(directory / "lock")
         namespaces.append(
             {
@@ -136,6 +201,7 @@ def inspect_root(root: str | os.PathLike[str]) -> dict[str, Any]:
                 "format": fmt,
                 "locked_by_pid": pid,
                 "groups": groups,
+                "errors": errors,
             }
         )
     return {"root": str(base), "namespaces": namespaces}
