@@ -196,11 +196,16 @@ def inspect(root: str, as_json: bool) -> None:
             f"blocks_per_chunk={fmt.get('blocks_per_chunk', '?')} "
             f"locked_by_pid={ns.get('locked_by_pid')}"
         )
+        for err in ns.get("errors", []):
+            click.echo(f"    error: {err}")
         for g, grp in sorted(ns["groups"].items(), key=lambda kv: int(kv[0])):
             click.echo(
                 f"    g{g}: rows={grp['rows']} valid={grp['valid_rows']} "
                 f"invalid={grp['invalid_rows']} segments={len(grp['segments'])}"
             )
+            for seg in grp["segments"]:
+                if seg.get("error"):
+                    click.echo(f"      {seg.get('file', '?')}: {seg['error']}")
 
 
 if __name__ == "__main__":
