@@ -649,9 +649,11 @@ class TransferEngine:
 
     async def _load(self, chunks: list[Chunk], ctx: _Ctx) -> LoadResult:
         failed: dict[OffloadKey, BaseException] = {}
-        # Wait for stores / promotions in flight on these keys (another load may
-        # start promoting one of them while we wait: wait again until none is).
-        while waits := {self._ready[c.key] for c in chunks if c.key in self._ready}:
+        # Wait for stores / promotions in flight on these keys. (A promotion that
+        # another load starts while we wait is not waited for: the key then
+        # reports a miss; waiting again let cancelled loads linger and race.)
+        waits = {self._ready[c.key] for c in chunks if c.key in self._ready}
+        if waits:
             await asyncio.gather(*waits)
         pinned: list[Chunk] = []
         promote: list[Chunk] = []
