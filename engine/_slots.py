@@ -198,16 +198,6 @@ class SlotPool:
         """Tell the policy that ``key`` was hit."""
         self.policy.touch(key)
 
-    def discard(self, key: OffloadKey) -> bool:
-        """Free a resident, unpinned key (no-op and False otherwise)."""
-        entry = self._entries.get(key)
-        if entry is None or entry.writing or entry.refs:
-            return False
-        del self._entries[key]
-        self.policy.remove(key, evicted=False)
-        self._free.append(entry.slot)
-        return True
-
 
 class HostRegion:
     """One page-aligned host buffer of ``num_slots * slot_nbytes`` bytes.

@@ -278,9 +278,6 @@ class NVMeWriter:
             self._pending_done.set_result({})
             self._pending_done = None
 
-    def forget_cpu(self, key: OffloadKey) -> None:
-        """A key left the CPU tier (its NVMe row, if any, stays)."""
-
     # ------------------------------------------------------------------ promotion
     async def promote(
         self, chunks: list[Chunk], protect: Collection[OffloadKey]
