@@ -165,6 +165,21 @@ class PosixRowIO:
         os.close(handle)
 
 
+def _each_buffer(op: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
+    """Run ``op(buf, nbytes, offset).get()`` for consecutive buffers; stop at a short one.
+
+    Returns the bytes done in all (the caller treats a short total as failure).
+    """
+    done = 0
+    for buf in bufs:
+        nbytes = memoryview(buf).nbytes
+        n = int(op(buf, nbytes, file_offset + done).get())
+        done += n
+        if n != nbytes:
+            break
+    return done
+
+
 class _KvikioHandle:
     __slots__ = ("cufile", "fd")
 
@@ -213,25 +228,11 @@ class KvikioRowIO:
 
     def preadv(self, handle: _KvikioHandle, bufs: Sequence[memoryview], file_offset: int) -> int:
         """See :meth:`RowIO.preadv`; one ``CuFile.pread`` per buffer, stops at a short one."""
-        done = 0
-        for buf in bufs:
-            nbytes = memoryview(buf).nbytes
-            n = int(handle.cufile.pread(buf, nbytes, file_offset + done).get())
-            done += n
-            if n != nbytes:
-                break
-        return done
+        return _each_buffer(handle.cufile.pread, bufs, file_offset)
 
     def pwritev(self, handle: _KvikioHandle, bufs: Sequence[memoryview], file_offset: int) -> int:
         """See :meth:`RowIO.pwritev`; one ``CuFile.pwrite`` per buffer, stops at a short one."""
-        done = 0
-        for buf in bufs:
-            nbytes = memoryview(buf).nbytes
-            n = int(handle.cufile.pwrite(buf, nbytes, file_offset + done).get())
-            done += n
-            if n != nbytes:
-                break
-        return done
+        return _each_buffer(handle.cufile.pwrite, bufs, file_offset)
 
     def fdatasync(self, handle: _KvikioHandle) -> None:
         """See :meth:`RowIO.fdatasync`."""
