@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
@@ -14,7 +15,7 @@ from typing import Any, Self
 from kvtier._config import EngineConfig
 from kvtier._policy import make_policy
 from kvtier._slots import HostRegion, SlotEntry, SlotPool, SlotState
-from kvtier._transfer import ChunkCopy, CopyExecutor, Direction, piece_specs
+from kvtier._transfer import ChunkCopy, CopyExecutor, Direction, HostPiece, host_pieces, piece_specs
 from kvtier._types import (
     Chunk,
     EngineStats,
@@ -42,22 +43,31 @@ log = logging.getLogger("kvtier")
 
 @dataclass
 class _Call:
-    """One store/load call's share of a job."""
+    """One store/load call's share of a job.
+
+    ``done(error)`` runs on the event loop once the call's copies have ended
+    (``error`` is None or the :class:`TransferError`); it must not raise.
+    """
 
     copies: list[ChunkCopy]
-    done: asyncio.Future[BaseException | None]
+    done: Callable[[BaseException | None], None]
 
 
 @dataclass
 class _PreparedStore:
-    """A store call after its synchronous half (slots reserved, copies submitted)."""
+    """A store call after its synchronous half (slots reserved, copies submitted).
+
+    ``result`` is what the caller awaits; a caller cancelled before the copy
+    ended cancels it, and the copy's completion then frees the slots.
+    """
 
     by_key: dict[OffloadKey, Chunk]
     entries: list[SlotEntry]
     skipped: list[OffloadKey]
     rejected: list[OffloadKey]
     ready: asyncio.Future[bool]
-    call: _Call | None
+    result: asyncio.Future[StoreResult]
+    durable: bool
 
 
 @dataclass
@@ -80,6 +90,27 @@ class _Counters:
     store_jobs: int = 0
     load_jobs: int = 0
     failures: dict[str, int] = field(default_factory=dict)
+
+
+def _finish_calls(calls: Sequence[_Call], errors: Sequence[BaseException | None]) -> None:
+    """Run every call's ``done`` (one failing does not skip the others)."""
+    for call, error in zip(calls, errors, strict=True):
+        try:
+            call.done(error)
+        except Exception:
+            log.exception("kvtier: finishing a call failed")
+
+
+def _written_twice(chunks: Sequence[Chunk], group_id: int) -> int:
+    """The first GPU block of ``group_id`` that two sub-blocks of ``chunks`` write."""
+    seen: set[int] = set()
+    for chunk in chunks:
+        if chunk.key.group_id == group_id:
+            for b in chunk.block_ids:
+                if b in seen:
+                    return b
+                seen.add(b)
+    raise AssertionError("no block is written twice")  # pragma: no cover
 
 
 class TransferEngine:
@@ -138,10 +169,12 @@ class TransferEngine:
         }
         self._state = "new"
         self._region: HostRegion | None = None
+        self._host: dict[int, tuple[HostPiece, ...] | None] = {}
         self._pool = SlotPool(self.num_slots, make_policy(config.eviction, self.num_slots))
         self._executors: dict[Direction, CopyExecutor] = {}
         self._pending: dict[Direction, list[_Call]] = {"store": [], "load": []}
-        self._scheduled: dict[Direction, bool] = {"store": False, "load": False}
+        # A future per direction while a flush of pending calls is scheduled.
+        self._flushing: dict[Direction, asyncio.Future[None] | None] = {"store": None, "load": None}
         self._ready: dict[OffloadKey, asyncio.Future[bool]] = {}
         self._tasks: set[asyncio.Future[Any]] = set()
         self._close_task: asyncio.Task[None] | None = None
@@ -197,6 +230,13 @@ class TransferEngine:
                     f"({self.num_slots} slots of {self.slot_nbytes} bytes): {exc}"
                 ) from exc
             self._region = region
+            self._host = {
+                g: host_pieces(
+                    self._specs[g], region.host_views, self.slot_nbytes, self.num_slots,
+                    self.blocks_per_chunk,
+                )
+                for g in self.layout.group_ids
+            }  # fmt: skip
             prefault = loop.run_in_executor(None, region.prefault)
             try:
                 await asyncio.shield(prefault)
@@ -284,6 +324,7 @@ class TransferEngine:
         for ex in self._executors.values():
             ex.close()
         self._executors = {}
+        self._host = {}  # views of the region: drop them before unmapping it
         if self._region is not None:
             self._region.close()
             self._region = None
@@ -360,7 +401,9 @@ class TransferEngine:
         if isinstance(chunks, Chunk | str | bytes) or not isinstance(chunks, Sequence):
             raise InvalidArgumentError("chunks must be a sequence of kvtier.Chunk")
         seen: set[OffloadKey] = set()
-        gpu_blocks: set[tuple[int, int]] = set()
+        # load: {group_id: GPU blocks written by this call}
+        written: dict[int, set[int]] = {}
+        bpc = self.blocks_per_chunk
         for chunk in chunks:
             if not isinstance(chunk, Chunk):
                 raise InvalidArgumentError(f"expected kvtier.Chunk, got {type(chunk).__name__}")
@@ -369,21 +412,25 @@ class TransferEngine:
             if key in seen:
                 raise DuplicateKeyError(f"{key} appears twice in one call")
             seen.add(key)
-            if chunk.stop > self.blocks_per_chunk:
+            ids = chunk.block_ids
+            if chunk.offset + len(ids) > bpc:
                 raise ChunkRangeError(
-                    f"{key}: offset {chunk.offset} + {len(chunk.block_ids)} block_ids > "
-                    f"blocks_per_chunk {self.blocks_per_chunk}"
+                    f"{key}: offset {chunk.offset} + {len(ids)} block_ids > blocks_per_chunk {bpc}"
                 )
-            for b in chunk.block_ids:
-                if not 0 <= b < group.num_blocks:
-                    raise BlockIdError(f"{key}: block_id {b} outside [0, {group.num_blocks})")
-                if load:
-                    page = (key.group_id, b)
-                    if page in gpu_blocks:
-                        raise BlockIdError(f"{key}: GPU block {b} is written twice by one load")
-                    gpu_blocks.add(page)
-        if load:
-            self._check_aliased_pages(gpu_blocks)
+            if min(ids) < 0 or max(ids) >= group.num_blocks:
+                bad = next(b for b in ids if not 0 <= b < group.num_blocks)
+                raise BlockIdError(f"{key}: block_id {bad} outside [0, {group.num_blocks})")
+            if load:
+                pages = written.setdefault(key.group_id, set())
+                size = len(pages)
+                pages.update(ids)
+                if len(pages) != size + len(ids):
+                    b = _written_twice(chunks, key.group_id)
+                    raise BlockIdError(f"{key}: GPU block {b} is written twice by one load")
+        if load and any(self._alias_size[g] > 1 for g in written):
+            self._check_aliased_pages(
+                {(g, b) for g, pages in written.items() if self._alias_size[g] > 1 for b in pages}
+            )
 
     def _check_aliased_pages(self, pages: set[tuple[int, int]]) -> None:
         """Raise BlockIdError when pages of groups that share storage overlap in one load.
@@ -452,18 +499,17 @@ class TransferEngine:
         """
         self._check_open()
         self._validate(chunks, load=False)
-        prepared = self._prepare_store(list(chunks))
-        ctx = _Ctx()
-        task = asyncio.ensure_future(self._finish_store(prepared, durable, ctx))
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            ctx.cancelled = True
-            raise
+        prepared = self._prepare_store(list(chunks), durable)
+        # Cancelled here, ``prepared.result`` is cancelled too: _store_copied
+        # then frees the slots once the copy has ended.
+        result = await prepared.result
+        if not durable or self._writer is None:
+            return result
+        task = asyncio.ensure_future(self._make_durable(prepared, result))
+        self._track(task)
+        return await asyncio.shield(task)
 
-    def _prepare_store(self, chunks: list[Chunk]) -> _PreparedStore:
+    def _prepare_store(self, chunks: list[Chunk], durable: bool) -> _PreparedStore:
         """Synchronous half of a store: skip present keys, reserve slots, submit the copies."""
         skipped, requests, by_key = [], [], {}
         for chunk in chunks:
@@ -480,41 +526,52 @@ class TransferEngine:
         entries, rejected, _evicted = self._pool.reserve(requests, protect=by_key.keys())
         self._c.rejected += len(rejected)
         loop = asyncio.get_running_loop()
-        prepared = _PreparedStore(by_key, entries, skipped, rejected, loop.create_future(), None)
+        prepared = _PreparedStore(
+            by_key, entries, skipped, rejected, loop.create_future(), loop.create_future(), durable
+        )
         for entry in entries:
             self._ready[entry.key] = prepared.ready
         if entries:
             copies = [self._copy(by_key[e.key], e.slot) for e in entries]
-            prepared.call = _Call(copies, loop.create_future())
-            self._submit("store", prepared.call)
+            self._submit("store", _Call(copies, functools.partial(self._store_copied, prepared)))
+        else:
+            self._store_copied(prepared, None)
         return prepared
 
-    async def _finish_store(self, p: _PreparedStore, durable: bool, ctx: _Ctx) -> StoreResult:
-        error = None if p.call is None else await p.call.done
+    def _store_copied(self, p: _PreparedStore, error: BaseException | None) -> None:
+        """The store's copy ended: commit (or free) its slots, queue the rows, resolve it."""
+        cancelled = p.result.cancelled()
         stored: list[OffloadKey] = []
         rejected = list(p.rejected)
         for entry in p.entries:
             key = entry.key
             self._ready.pop(key, None)
-            if error is not None or ctx.cancelled:
+            if error is not None or cancelled:
                 self._pool.abort(key)
                 rejected.append(key)
             else:
                 self._pool.commit(key)
                 stored.append(key)
-        p.ready.set_result(error is None and not ctx.cancelled)
-        result = StoreResult(tuple(stored), tuple(p.skipped), tuple(rejected))
-        if self._writer is None or not (self.config.write_through or durable):
-            return result  # write_through=False: only durable stores write rows
-        if stored:
+        p.ready.set_result(error is None and not cancelled)
+        if stored and self._writer is not None and (self.config.write_through or p.durable):
+            # write_through=False: only durable stores write rows
             self._writer.enqueue([(k, p.by_key[k].offset, p.by_key[k].stop) for k in stored])
-        if durable:
-            # Skipped keys count too: wait for stores of them in flight, then for their rows.
-            others = {self._ready[k] for k in p.skipped if k in self._ready}
-            if others:
-                await asyncio.wait(others)
-            await self._writer.make_durable([*stored, *p.skipped], result)
+        if not p.result.done():
+            p.result.set_result(StoreResult(tuple(stored), tuple(p.skipped), tuple(rejected)))
+
+    async def _make_durable(self, p: _PreparedStore, result: StoreResult) -> StoreResult:
+        assert self._writer is not None
+        # Skipped keys count too: wait for stores of them in flight, then for their rows.
+        others = {self._ready[k] for k in p.skipped if k in self._ready}
+        if others:
+            await asyncio.wait(others)
+        await self._writer.make_durable([*result.stored, *p.skipped], result)
         return result
+
+    def _track(self, fut: asyncio.Future[Any]) -> None:
+        """Make :meth:`aclose` wait for ``fut`` (a task or a job in flight)."""
+        self._tasks.add(fut)
+        fut.add_done_callback(self._task_done)
 
     def _copy(self, chunk: Chunk, slot: int) -> ChunkCopy:
         assert self._region is not None
@@ -526,45 +583,71 @@ class TransferEngine:
             chunk.block_ids,
             chunk.offset,
             len(chunk.block_ids) * self.layout.group(g).block_payload_nbytes,
+            self._host[g],
+            slot,
         )
 
     # ------------------------------------------------------------------ jobs
     def _submit(self, direction: Direction, call: _Call) -> None:
         self._pending[direction].append(call)
-        if not self._scheduled[direction]:
-            self._scheduled[direction] = True
-            asyncio.get_running_loop().call_soon(self._flush_pending, direction)
+        if self._flushing[direction] is None:
+            loop = asyncio.get_running_loop()
+            self._flushing[direction] = tracker = loop.create_future()
+            self._track(tracker)  # aclose waits until the jobs exist (and are tracked)
+            loop.call_soon(self._flush_pending, direction)
 
     def _flush_pending(self, direction: Direction) -> None:
-        self._scheduled[direction] = False
+        tracker, self._flushing[direction] = self._flushing[direction], None
         calls, self._pending[direction] = self._pending[direction], []
-        job: list[_Call] = []
-        size = 0
-        for call in calls:
-            if job and size + len(call.copies) > self.config.max_batch_chunks:
+        try:
+            job: list[_Call] = []
+            size = 0
+            for call in calls:
+                if job and size + len(call.copies) > self.config.max_batch_chunks:
+                    self._start_job(direction, job)
+                    job, size = [], 0
+                job.append(call)
+                size += len(call.copies)
+            if job:
                 self._start_job(direction, job)
-                job, size = [], 0
-            job.append(call)
-            size += len(call.copies)
-        if job:
-            self._start_job(direction, job)
+        finally:
+            if tracker is not None:
+                tracker.set_result(None)
 
     def _start_job(self, direction: Direction, calls: list[_Call]) -> None:
-        task = asyncio.ensure_future(self._run_job(direction, calls))
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    async def _run_job(self, direction: Direction, calls: list[_Call]) -> None:
+        """Hand one job to the direction's executor; its end comes back as one callback."""
         plan = [c for call in calls for c in call.copies]
+        tracker: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._track(tracker)
         t0 = time.perf_counter()
-        error: BaseException | None = None
-        try:
-            await self._executors[direction].run(plan)
-        except TransferError as exc:
-            error = exc
-            self._c.failures["transfer"] = self._c.failures.get("transfer", 0) + 1
-        seconds = time.perf_counter() - t0
+
+        def copied(error: BaseException | None) -> None:
+            try:
+                self._count_job(direction, plan, time.perf_counter() - t0, error)
+                if error is not None and len(calls) > 1:
+                    # A failed job must fail only the calls whose own copies
+                    # fail: copy each call again on its own (copies are idempotent).
+                    task = asyncio.ensure_future(self._isolate(direction, calls))
+                    task.add_done_callback(lambda _: tracker.set_result(None))
+                    self._track(task)
+                    return
+                _finish_calls(calls, [error] * len(calls))
+            except BaseException:
+                log.exception("kvtier: finishing a %s job failed", direction)
+            tracker.set_result(None)
+
+        self._executors[direction].submit(plan, copied)
+
+    def _count_job(
+        self,
+        direction: Direction,
+        plan: list[ChunkCopy],
+        seconds: float,
+        error: BaseException | None,
+    ) -> None:
         nbytes = sum(c.nbytes for c in plan)
+        if error is not None:
+            self._c.failures["transfer"] = self._c.failures.get("transfer", 0) + 1
         if direction == "store":
             self._c.store_jobs += 1
             self._c.store_bytes += nbytes
@@ -573,19 +656,16 @@ class TransferEngine:
             self._c.load_jobs += 1
             self._c.load_bytes += nbytes
             self._c.load_seconds += seconds
-        errors: list[BaseException | None] = [error] * len(calls)
-        if error is not None and len(calls) > 1:
-            # A failed job must fail only the calls whose own copies fail:
-            # copy each call again on its own (copies are idempotent).
-            for i, call in enumerate(calls):
-                try:
-                    await self._executors[direction].run(call.copies)
-                    errors[i] = None
-                except TransferError as exc:
-                    errors[i] = exc
-        for call, err in zip(calls, errors, strict=True):
-            if not call.done.done():
-                call.done.set_result(err)
+
+    async def _isolate(self, direction: Direction, calls: list[_Call]) -> None:
+        errors: list[BaseException | None] = []
+        for call in calls:
+            try:
+                await self._executors[direction].run(call.copies)
+                errors.append(None)
+            except TransferError as exc:
+                errors.append(exc)
+        _finish_calls(calls, errors)
 
     # ------------------------------------------------------------------ load
     async def load(self, chunks: Sequence[Chunk]) -> LoadResult:
@@ -620,15 +700,80 @@ class TransferEngine:
         self._validate(chunks, load=True)
         for chunk in chunks:
             self._check_range(chunk)
+        chunks = list(chunks)
+        if not self._must_wait(chunks):
+            # Fast path: every key is resident or a miss; no task, and a
+            # cancelled caller leaves the unpinning to the copy's completion.
+            pinned, failed = self._pin_resident(chunks)
+            if not pinned:
+                return LoadResult((), failed)
+            return await self._submit_load(pinned, failed)
         ctx = _Ctx()
-        task = asyncio.ensure_future(self._load(list(chunks), ctx))
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
+        task = asyncio.ensure_future(self._load(chunks, ctx))
+        self._track(task)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             ctx.cancelled = True
             raise
+
+    def _must_wait(self, chunks: list[Chunk]) -> bool:
+        """A key of ``chunks`` has a store or promotion in flight, or must be promoted."""
+        ready, pool, nvme = self._ready, self._pool, self._nvme
+        for chunk in chunks:
+            key = chunk.key
+            if key in ready:
+                return True
+            if nvme is not None and pool.get(key) is None and nvme.contains(key):
+                return True
+        return False
+
+    def _pin_resident(
+        self, chunks: list[Chunk]
+    ) -> tuple[list[Chunk], dict[OffloadKey, BaseException]]:
+        """Pin the resident keys of ``chunks``; the others are misses (when ``nvme`` is None)."""
+        pinned: list[Chunk] = []
+        failed: dict[OffloadKey, BaseException] = {}
+        for chunk in chunks:
+            key = chunk.key
+            entry = self._pool.get(key)
+            if entry is not None and not entry.writing:
+                self._pool.pin(key)
+                self._pool.touch(key)
+                pinned.append(chunk)
+                self._c.hits += 1
+            else:
+                self._c.misses += 1
+                failed[key] = KeyNotResidentError(
+                    f"{key} is on no medium (evicted or never stored)"
+                )
+        return pinned, failed
+
+    def _submit_load(
+        self, pinned: list[Chunk], failed: dict[OffloadKey, BaseException]
+    ) -> asyncio.Future[LoadResult]:
+        """Copy pinned keys to their GPU blocks; unpin them when the copy has ended."""
+        result: asyncio.Future[LoadResult] = asyncio.get_running_loop().create_future()
+        copies = []
+        for chunk in pinned:
+            entry = self._pool.get(chunk.key)
+            assert entry is not None
+            copies.append(self._copy(chunk, entry.slot))
+
+        def copied(error: BaseException | None) -> None:
+            loaded: list[OffloadKey] = []
+            for chunk in pinned:
+                self._pool.unpin(chunk.key)
+                if error is None:
+                    loaded.append(chunk.key)
+                else:
+                    failed[chunk.key] = error
+                    self._c.load_failures += 1
+            if not result.done():
+                result.set_result(LoadResult(tuple(loaded), failed))
+
+        self._submit("load", _Call(copies, copied))
+        return result
 
     def _stored_range(self, key: OffloadKey) -> tuple[int, int] | None:
         entry = self._pool.get(key)
@@ -684,28 +829,15 @@ class TransferEngine:
                 self._pool.unpin(chunk.key)
                 pinned.remove(chunk)
                 failed[chunk.key] = exc
-        loaded: list[OffloadKey] = []
-        if pinned:
-            error: BaseException | None
-            if ctx.cancelled:
-                error = asyncio.CancelledError()
-            else:
-                copies = []
-                for chunk in pinned:
-                    entry = self._pool.get(chunk.key)
-                    assert entry is not None
-                    copies.append(self._copy(chunk, entry.slot))
-                call = _Call(copies, asyncio.get_running_loop().create_future())
-                self._submit("load", call)
-                error = await call.done
+        if not pinned:
+            return LoadResult((), failed)
+        if ctx.cancelled:  # the caller is gone: copy nothing
             for chunk in pinned:
                 self._pool.unpin(chunk.key)
-                if error is None:
-                    loaded.append(chunk.key)
-                else:
-                    failed[chunk.key] = error
-                    self._c.load_failures += 1
-        return LoadResult(tuple(loaded), failed)
+                failed[chunk.key] = asyncio.CancelledError()
+                self._c.load_failures += 1
+            return LoadResult((), failed)
+        return await self._submit_load(pinned, failed)
 
     # ------------------------------------------------------------------ flush / stats
     async def flush(self) -> None:

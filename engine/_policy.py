@@ -6,6 +6,7 @@ evictable (resident, not pinned, not part of the current call).
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from typing import Protocol, runtime_checkable
@@ -27,7 +28,11 @@ class EvictionPolicy(Protocol):
         """A key left the tier; ``evicted`` is True when the policy chose it."""
 
     def candidates(self) -> Iterator[Hashable]:
-        """Resident keys, the best victim first."""
+        """Resident keys, the best victim first.
+
+        The iterator may be lazy: it is valid until the policy is next changed
+        (the pool picks its victims before it removes any).
+        """
 
 
 class LRUPolicy:
@@ -51,8 +56,8 @@ class LRUPolicy:
         self._order.pop(key, None)
 
     def candidates(self) -> Iterator[Hashable]:
-        """Keys from least to most recently used."""
-        return iter(list(self._order))
+        """Keys from least to most recently used (lazy: O(victims), not O(keys))."""
+        return iter(self._order)
 
 
 class ARCPolicy:
@@ -121,7 +126,7 @@ class ARCPolicy:
         first, second = (
             (self.t1, self.t2) if len(self.t1) > self.p or not self.t2 else (self.t2, self.t1)
         )
-        return iter([*first, *second])
+        return itertools.chain(first, second)
 
 
 def make_policy(name: str, capacity: int) -> EvictionPolicy:

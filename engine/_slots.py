@@ -224,6 +224,8 @@ class HostRegion:
             w: self.tensor if w == 1 else self.tensor.view(dtype)
             for w, dtype in ((1, torch.uint8), (2, torch.int16), (4, torch.int32), (8, torch.int64))
         }
+        # The same views for the CPU copy path (kvtier._transfer.host_views).
+        self.host_views = {w: v.numpy() for w, v in self.views.items()}
         self.pinned = False
         self._registered = False
         if pin and torch.cuda.is_available():
@@ -256,6 +258,7 @@ class HostRegion:
             self._registered = False
         del self.tensor
         self.views.clear()
+        self.host_views.clear()
         try:
             self._mmap.close()
         except BufferError:

@@ -49,6 +49,8 @@ class OffloadKey:
 
     block_hash: bytes
     group_id: int
+    # Computed once: keys are hashed several times per chunk on the event loop.
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_hash, bytes) or not 1 <= len(self.block_hash) <= 64:
@@ -61,6 +63,14 @@ class OffloadKey:
             raise InvalidArgumentError(
                 f"OffloadKey.group_id must be in [0, 2**32), got {self.group_id}"
             )
+        object.__setattr__(self, "_hash", hash((self.block_hash, self.group_id)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple[type[OffloadKey], tuple[bytes, int]]:
+        # Rebuilt (and re-hashed) on unpickling: str/bytes hashes differ per process.
+        return OffloadKey, (self.block_hash, self.group_id)
 
 
 def _bool(value: bool) -> bool:

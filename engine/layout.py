@@ -14,6 +14,7 @@ layer ``l`` sits at ``offset_l + j * payload_l``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -96,7 +97,7 @@ class GroupLayout:
     num_blocks: int
     tokens_per_block: int
 
-    @property
+    @functools.cached_property
     def block_payload_nbytes(self) -> int:
         """Bytes one GPU block of this group transfers (sum over distinct layers)."""
         return sum(layer.payload_nbytes for layer in self.layers)

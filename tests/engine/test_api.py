@@ -268,8 +268,11 @@ async def test_cancelled_store_and_load_leave_no_pins() -> None:
             for _ in range(round_):
                 await asyncio.sleep(0)
             task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            (outcome,) = await asyncio.gather(task, return_exceptions=True)
+            if round_ == 0:  # cancelled before it ran
+                assert isinstance(outcome, asyncio.CancelledError)
+            else:  # cancelled mid-way, or already done (a store takes a few loop turns)
+                assert isinstance(outcome, asyncio.CancelledError | kvtier.StoreResult)
             load = asyncio.ensure_future(engine.load(chunks))
             for _ in range(round_):
                 await asyncio.sleep(0)
