@@ -144,17 +144,19 @@ class SlotPool:
             self.policy.remove(entry.key, evicted=True)
             self._free.append(entry.slot)
         self.evictions += len(victims)
-        reserved: list[SlotEntry] = []
-        rejected: list[OffloadKey] = []
-        for key, start, stop, nbytes in requests:
+        for key, *_ in requests:
             if key in self._entries:
                 raise SlotStateError(f"reserve of present key {key}")
-            if not self.free_count:
-                rejected.append(key)
-                continue
-            entry = SlotEntry(key, self._take_free(), start, stop, True, 0, nbytes)
+        # Ascending slots in request order: chunks stored together sit in
+        # consecutive slots whenever the free list allows, and a later load of
+        # them copies each layer with one call (kvtier._transfer._load_run).
+        slots = sorted(self._take_free() for _ in range(min(len(requests), self.free_count)))
+        reserved: list[SlotEntry] = []
+        for (key, start, stop, nbytes), slot in zip(requests, slots, strict=False):
+            entry = SlotEntry(key, slot, start, stop, True, 0, nbytes)
             self._entries[key] = entry
             reserved.append(entry)
+        rejected = [key for key, *_ in requests[len(slots) :]]
         return reserved, rejected, [v.key for v in victims]
 
     def _take_free(self) -> int:

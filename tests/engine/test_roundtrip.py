@@ -1,4 +1,9 @@
-"""Bitwise round trips GPU blocks -> CPU slots -> GPU blocks on the CPU path."""
+"""Bitwise round trips GPU blocks -> CPU slots -> GPU blocks on the CPU path.
+
+Every test runs twice: with the NumPy copy path that CPU-only hosts use, and
+with the torch copy path that CUDA hosts use (the same calls on CPU tensors;
+selected by disabling the host views, ``kvtier._engine.host_pieces``).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,13 @@ import torch
 
 import kvtier
 from tests.engine.helpers import fill_random, key, same
+
+
+@pytest.fixture(autouse=True, params=["numpy", "torch"])
+def copy_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "torch":
+        monkeypatch.setattr("kvtier._engine.host_pieces", lambda *a, **k: None)
+    return str(request.param)
 
 
 async def _roundtrip(
@@ -270,3 +282,48 @@ async def test_packed_groups_may_load_the_same_block_id_in_one_call() -> None:
         assert not out.failed
     assert same(base[4, 0], before[1, 0])
     assert same(base[4, 1], before[2, 1])
+
+
+async def test_loads_of_consecutive_slots_mixed_with_partial_chunks_and_groups(
+    copy_path: str,
+) -> None:
+    # Full chunks stored together get consecutive slots and load with one call
+    # per layer; partial chunks, another group and a gap in the slots split the runs.
+    a = torch.empty((64, 2, 8, 16), dtype=torch.bfloat16)
+    b = torch.empty((64, 3, 40), dtype=torch.float32)
+    c = torch.empty((2, 64, 8, 8), dtype=torch.float16)  # K/V first: strided blocks
+    for i, t in enumerate((a, b, c)):
+        fill_random(t, 40 + i)
+    layout = kvtier.KVLayout.from_tensors(
+        {0: {"a": a, "c": c}, 1: {"b": b}}, block_dim={"a": 0, "b": 0, "c": 1}
+    )
+    before = [t.clone() for t in (a, b, c)]
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(5)).tolist()
+    full0 = [kvtier.Chunk(key(f"f{i}", 0), perm[4 * i : 4 * i + 4]) for i in range(6)]
+    full1 = [kvtier.Chunk(key(f"g{i}", 1), perm[4 * i : 4 * i + 4]) for i in range(3)]
+    part = kvtier.Chunk(key("part", 0), perm[40:42], offset=1)
+    async with kvtier.TransferEngine(layout, kvtier.EngineConfig(8 << 20, 4)) as engine:
+        res = await engine.store([*full0[:3], *full1, part, *full0[3:]])
+        assert len(res.stored) == 10
+        slots = [engine._pool.get(ch.key).slot for ch in full0]
+        assert slots[:3] == sorted(slots[:3])  # one call: ascending slots
+        for t in (a, b, c):
+            t.zero_()
+        # Same order as stored (runs), then a shuffled subset (runs of one).
+        out = await engine.load([*full0[:3], part, *full0[3:], *full1])
+        assert not out.failed
+        ids0 = [i for ch in full0 for i in ch.block_ids] + list(part.block_ids)
+        ids1 = [i for ch in full1 for i in ch.block_ids]
+        assert same(a[ids0], before[0][ids0])
+        assert same(c[:, ids0], before[2][:, ids0])
+        assert same(b[ids1], before[1][ids1])
+        rest = sorted(set(range(64)) - set(ids0))
+        assert int(a[rest].count_nonzero()) == 0
+        assert int(c[:, rest].count_nonzero()) == 0
+        for t in (a, b, c):
+            t.zero_()
+        out = await engine.load([full0[4], full0[1], full0[5], full0[0]])
+        assert not out.failed
+        ids = [i for j in (4, 1, 5, 0) for i in full0[j].block_ids]
+        assert same(a[ids], before[0][ids])
+        assert same(c[:, ids], before[2][:, ids])
