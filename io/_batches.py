@@ -19,7 +19,7 @@ from kvtier._types import OffloadKey
 from kvtier.errors import InvalidArgumentError, StorageError, storage_error_kind
 from kvtier.io import _files
 from kvtier.io._align import buffer_address, check_direct
-from kvtier.io._files import ReadJob, WriteJob
+from kvtier.io._files import NO_ROW, ReadJob, WriteJob
 from kvtier.io._format import SegmentHeader, encode_header
 from kvtier.io._index import Growth, RowRef
 
@@ -98,41 +98,22 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
 
     Stale rows left by earlier calls are blanked first (so this batch can
     reuse them); rows of other groups evicted for this batch are blanked
-    while the batch is written (their disk blocks are released). Runs as a
-    tier task (shielded from the caller); never raises for I/O errors.
+    while the batch is written (their disk blocks are released). The groups
+    of the batch proceed independently: a group whose segment must grow
+    first does not hold back the writes of the others. Runs as a tier task
+    (shielded from the caller); never raises for I/O errors.
     """
     results: list[BaseException | None] = [None] * len(jobs)
     await reclaim(tier)
-    protect = {j.key for j in jobs}
-    placed: list[WriteJob] = []
-    for job in jobs:
-        ref = await allocate(tier, job.key.group_id, protect)
-        if isinstance(ref, StorageError):
-            results[job.pos] = ref
-            fail(tier, ref.kind)
-            continue
-        job.ref, job.seq = ref, tier._index.begin_write(job.key)
-        placed.append(job)
-    runs = make_runs(tier, placed, lambda j: j.ref)
+    groups = reserve_rows(tier, jobs, results)
     t0 = time.perf_counter()
-    outcomes, _ = await asyncio.gather(
-        asyncio.gather(
-            *(
-                tier._run(
-                    _files.write_run,
-                    tier._row_io,
-                    tier._segments[(run[0].ref.group_id, run[0].ref.segment)],
-                    tier._specs[run[0].ref.group_id],
-                    run,
-                )
-                for run in runs
-            )
-        ),
+    written, _ = await asyncio.gather(
+        asyncio.gather(*(_write_group(tier, group, results) for group in groups)),
         reclaim(tier),
     )
     tier._counts["write_seconds"] += time.perf_counter() - t0
-    tier._counts["write_requests"] += len(runs)
-    for run, (n, exc, _) in zip(runs, outcomes, strict=True):
+    for run, n, exc in (outcome for group in written for outcome in group):
+        tier._counts["write_requests"] += 1
         row = tier._row_nbytes[run[0].ref.group_id]
         if n > 0:
             tier._dirty.add((run[0].ref.group_id, run[0].ref.segment))
@@ -153,32 +134,98 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
     return results
 
 
-async def allocate(
-    tier: NVMeTier, group_id: int, protect: set[OffloadKey]
-) -> RowRef | StorageError:
-    """Reserve a row for a write of ``group_id``.
+def reserve_rows(
+    tier: NVMeTier, jobs: list[WriteJob], results: list[BaseException | None]
+) -> list[list[WriteJob]]:
+    """Reserve capacity for every job, and a row where one is at hand (no I/O).
 
-    Capacity first (:meth:`RowIndex.reserve`, evicting LRU keys of any
-    group), then a row: an evicted row of the group, else its lowest free
-    row, else a new step of its segments (created or extended on disk).
+    Capacity first (:meth:`RowIndex.reserve`, evicting LRU keys of any group,
+    never a key of ``jobs``), then the row: an evicted row of the group, else
+    its lowest free row, so the rows of one group follow each other in the
+    batch's order. A job that finds no free row keeps ``job.ref`` unset:
+    :func:`_write_group` grows the segments first. A job without room gets a
+    :class:`StorageError` of kind ``capacity`` in ``results`` (nothing was
+    evicted for it).
 
     Returns:
-        The row, or a :class:`StorageError`: kind ``capacity`` (no room even
-        after evicting every evictable key; nothing was evicted) or the kind
-        of the failed growth (``enospc``, ``eio``, ...).
+        The reserved jobs by group, each list in the batch's order.
 
     """
     index = tier._index
-    ok, ref = index.reserve(group_id, protect)
-    if not ok:
-        return StorageError(
-            "capacity",
-            f"no room for a {index.row_nbytes(group_id)}-byte row of group {group_id}: "
-            f"{index.bytes_used} of capacity_bytes={index.capacity_bytes} are held by "
-            "rows in flight, pinned or of the same write_rows call",
-        )
+    protect = {j.key for j in jobs}
+    groups: dict[int, list[WriteJob]] = {}
+    short: set[int] = set()  # groups whose free rows ran out
+    for job in jobs:
+        group_id = job.key.group_id
+        ok, ref = index.reserve(group_id, protect)
+        if not ok:
+            err = StorageError(
+                "capacity",
+                f"no room for a {index.row_nbytes(group_id)}-byte row of group {group_id}: "
+                f"{index.bytes_used} of capacity_bytes={index.capacity_bytes} are held by "
+                "rows in flight, pinned or of the same write_rows call",
+            )
+            results[job.pos] = err
+            fail(tier, err.kind)
+            continue
+        if ref is None and group_id not in short:
+            ref = index.take_free(group_id)
+        if ref is None:
+            short.add(group_id)
+        else:
+            job.ref = ref
+        groups.setdefault(group_id, []).append(job)
+    return list(groups.values())
+
+
+async def _write_group(
+    tier: NVMeTier, jobs: list[WriteJob], results: list[BaseException | None]
+) -> list[tuple[list[WriteJob], int, BaseException | None]]:
+    """Give rows to the reserved jobs of one group that lack one, then write its runs.
+
+    A job whose growth failed gets the error in ``results``.
+
+    Returns:
+        ``(run, bytes written, exception or None)`` per run written.
+
+    """
+    placed: list[WriteJob] = []
+    for job in jobs:
+        if job.ref is NO_ROW:
+            ref = await _take_row(tier, job.key.group_id)
+            if isinstance(ref, StorageError):
+                results[job.pos] = ref
+                fail(tier, ref.kind)
+                continue
+            job.ref = ref
+        job.seq = tier._index.begin_write(job.key)
+        placed.append(job)
+    runs = make_runs(tier, placed, lambda j: j.ref)
+    outcomes = await asyncio.gather(*(_write_run(tier, run) for run in runs))
+    return [(run, n, exc) for run, (n, exc) in zip(runs, outcomes, strict=True)]
+
+
+async def _write_run(tier: NVMeTier, run: list[WriteJob]) -> tuple[int, BaseException | None]:
+    """Seal a run on the checksum workers, then write it on the I/O workers."""
+    ref = run[0].ref
+    spec = tier._specs[ref.group_id]
+    exc = await tier._run_checksum(_files.seal_run, spec, run)
+    if exc is not None:
+        return 0, exc
+    n, exc, _ = await tier._run(
+        _files.write_run, tier._row_io, tier._segments[(ref.group_id, ref.segment)], spec, run
+    )
+    return n, exc
+
+
+async def _take_row(tier: NVMeTier, group_id: int) -> RowRef | StorageError:
+    """Take a free row for a reservation, growing the group's segments when it has none.
+
+    On a failed growth the reservation is given back and the error returned.
+    """
+    index = tier._index
     lock = tier._segment_locks.setdefault(group_id, asyncio.Lock())
-    while ref is None and (ref := index.take_free(group_id)) is None:
+    while (ref := index.take_free(group_id)) is None:
         async with lock:
             if index.free_rows(group_id):
                 continue
@@ -265,24 +312,13 @@ async def read_batch(
     runs = make_runs(tier, jobs, lambda j: j.entry.ref)
     t0 = time.perf_counter()
     try:
-        outcomes = await asyncio.gather(
-            *(
-                tier._run(
-                    _files.read_run,
-                    tier._row_io,
-                    tier._segments[(run[0].entry.ref.group_id, run[0].entry.ref.segment)],
-                    tier._specs[run[0].entry.ref.group_id],
-                    run,
-                )
-                for run in runs
-            )
-        )
+        outcomes = await asyncio.gather(*(_read_run(tier, run) for run in runs))
     finally:
         for job in jobs:
             tier._index.unpin(job.entry.ref)
     tier._counts["read_seconds"] += time.perf_counter() - t0
     tier._counts["read_requests"] += len(runs)
-    for run, (errors, _) in zip(runs, outcomes, strict=True):
+    for run, errors in zip(runs, outcomes, strict=True):
         for job, err in zip(run, errors, strict=True):
             if err is None:
                 tier._index.touch(job.key)
@@ -292,6 +328,16 @@ async def read_batch(
                 tier._index.drop(job.key, job.entry.ref)
                 fail(tier, err.kind)
                 results[job.pos] = err
+
+
+async def _read_run(tier: NVMeTier, run: list[ReadJob]) -> list[StorageError | None]:
+    """Read a run on the I/O workers, then verify its rows on the checksum workers."""
+    ref = run[0].entry.ref
+    spec = tier._specs[ref.group_id]
+    nbytes, _ = await tier._run(
+        _files.read_run, tier._row_io, tier._segments[(ref.group_id, ref.segment)], spec, run
+    )
+    return await tier._run_checksum(_files.verify_run, spec, run, nbytes)
 
 
 async def scan(tier: NVMeTier) -> None:

@@ -38,7 +38,8 @@ from kvtier.io._index import RowEntry, RowRef
 from kvtier.io._rowio import RowIO
 
 SEGMENT_SUFFIX = ".kvrows"
-_NO_ROW = RowRef(-1, -1, -1)
+NO_ROW = RowRef(-1, -1, -1)
+"""The ``ref`` of a :class:`WriteJob` that has no row yet."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +67,7 @@ class WriteJob:
     stop: int
     buf: memoryview
     pos: int
-    ref: RowRef = _NO_ROW
+    ref: RowRef = NO_ROW
     seq: int = 0
 
 
@@ -341,10 +342,38 @@ def blank_rows(row_io: RowIO, handle: Any, spec: GroupSpec, rows: Sequence[int])
             raise StorageError("short_write", f"short trailer write at {file_offset}")
 
 
+def seal_run(spec: GroupSpec, jobs: Sequence[WriteJob]) -> BaseException | None:
+    """Seal each row of a run: checksum of its payload region, trailer into the slot.
+
+    CPU only (no I/O): runs on the tier's checksum workers.
+
+    Returns:
+        None, or the exception that stopped the sealing (the run must not be
+        written); never raises.
+
+    """
+    try:
+        for job in jobs:
+            trailer = RowTrailer(
+                spec.digest,
+                job.key.block_hash,
+                spec.group_id,
+                job.start,
+                job.stop,
+                spec.payload_nbytes,
+                job.seq,
+                payload_checksum(job.buf[: spec.payload_region]),
+            )
+            job.buf[spec.payload_region : spec.row_nbytes] = encode_trailer(trailer)
+    except Exception as exc:
+        return exc
+    return None
+
+
 def write_run(
     row_io: RowIO, handle: Any, spec: GroupSpec, jobs: Sequence[WriteJob]
 ) -> tuple[int, BaseException | None, float]:
-    """Seal each row (checksum + trailer into the slot) and write the run with one pwritev.
+    """Write a run of sealed rows (see :func:`seal_run`) with one pwritev.
 
     ``jobs`` occupy consecutive rows of one segment, in row order.
 
@@ -354,19 +383,6 @@ def write_run(
     """
     t0 = time.perf_counter()
     try:
-        for job in jobs:
-            region = job.buf[: spec.payload_region]
-            trailer = RowTrailer(
-                spec.digest,
-                job.key.block_hash,
-                spec.group_id,
-                job.start,
-                job.stop,
-                spec.payload_nbytes,
-                job.seq,
-                payload_checksum(region),
-            )
-            job.buf[spec.payload_region : spec.row_nbytes] = encode_trailer(trailer)
         n = row_io.pwritev(handle, [j.buf for j in jobs], spec.row_offset(jobs[0].ref.row))
         return n, None, time.perf_counter() - t0
     except Exception as exc:
@@ -375,13 +391,12 @@ def write_run(
 
 def read_run(
     row_io: RowIO, handle: Any, spec: GroupSpec, jobs: Sequence[ReadJob]
-) -> tuple[list[StorageError | None], float]:
-    """Read a run of consecutive rows with one preadv and verify each row.
+) -> tuple[int | StorageError, float]:
+    """Read a run of consecutive rows with one preadv (no verification: :func:`verify_run`).
 
     Returns:
-        Per job ``None`` (verified) or the :class:`StorageError` (kinds
-        ``short_read``, ``trailer``, ``checksum`` or the OSError's kind), and
-        the seconds spent; never raises.
+        The bytes read, or the :class:`StorageError` of a failed request
+        (the OSError's kind, chained), and the seconds spent; never raises.
 
     """
     t0 = time.perf_counter()
@@ -391,16 +406,37 @@ def read_run(
         errno_ = exc.errno if isinstance(exc, OSError) else None
         err = StorageError(storage_error_kind(exc), f"row read failed: {exc}", errno_)
         err.__cause__ = exc
-        return [err] * len(jobs), time.perf_counter() - t0
+        return err, time.perf_counter() - t0
+    return n, time.perf_counter() - t0
+
+
+def verify_run(
+    spec: GroupSpec, jobs: Sequence[ReadJob], nbytes: int | StorageError
+) -> list[StorageError | None]:
+    """Verify each row of a run read by :func:`read_run` (``nbytes``: its outcome).
+
+    CPU only (no I/O): runs on the tier's checksum workers.
+
+    Returns:
+        Per job ``None`` (verified) or the :class:`StorageError` (kinds
+        ``short_read``, ``trailer``, ``checksum`` or the failed request's
+        kind); never raises.
+
+    """
+    if isinstance(nbytes, StorageError):
+        return [nbytes] * len(jobs)
     results: list[StorageError | None] = []
     for i, job in enumerate(jobs):
-        if n < (i + 1) * spec.row_nbytes:
+        if nbytes < (i + 1) * spec.row_nbytes:
             results.append(
                 StorageError("short_read", f"short read of {job.key} at {job.entry.ref}")
             )
             continue
-        results.append(verify_row(spec, job))
-    return results, time.perf_counter() - t0
+        try:
+            results.append(verify_row(spec, job))
+        except Exception as exc:  # never let an unexpected error pass a row as verified
+            results.append(StorageError("other", f"{job.key}: verification failed: {exc}"))
+    return results
 
 
 def verify_row(spec: GroupSpec, job: ReadJob) -> StorageError | None:

@@ -47,7 +47,10 @@ class NVMeTier:
 
     Construction is pure (no I/O); :meth:`open` does the file work. All
     blocking I/O runs on the tier's own ``ThreadPoolExecutor`` of
-    ``io_threads`` workers, never on the loop thread or the default executor.
+    ``io_threads`` workers, never on the loop thread or the default executor;
+    row checksums (sealing before a write, verification after a read) run on
+    a second pool of ``min(io_threads, CPUs)`` workers, so that the I/O
+    workers only wait for the disk.
     Every method must be called from the one event loop thread that opened it.
 
     Slot buffers: a buffer passed to :meth:`write_rows` or :meth:`read_rows`
@@ -72,7 +75,7 @@ class NVMeTier:
         group_nbytes: group id -> unpadded payload bytes of one chunk.
         io_backend: ``"auto"``, ``"posix"`` or ``"kvikio"``.
         direct_io: ``"auto"``, ``"on"`` or ``"off"``.
-        io_threads: worker threads (bounds the I/O requests in flight).
+        io_threads: I/O worker threads (bounds the I/O requests in flight).
         segment_nbytes: largest size of a segment file (header included).
             Files are not preallocated: they grow in steps of
             ``min(segment_nbytes - 4096, 16 MiB, capacity_bytes / (4 * groups))``
@@ -161,6 +164,7 @@ class NVMeTier:
         self._state = "new"
         self._row_io: RowIO | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._checksum_executor: ThreadPoolExecutor | None = None
         self._lock_fd: int | None = None
         self._segments: dict[tuple[int, int], Any] = {}
         self._segment_locks: dict[int, asyncio.Lock] = {}
@@ -212,6 +216,15 @@ class NVMeTier:
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await self._submit(fn, *args)
 
+    async def _run_checksum(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run CPU work (checksums, trailers) on the checksum workers, not the I/O workers.
+
+        The I/O workers then only wait for the disk: ``io_threads`` requests
+        stay in flight while rows are sealed or verified next to them.
+        """
+        assert self._checksum_executor is not None
+        return await asyncio.get_running_loop().run_in_executor(self._checksum_executor, fn, *args)
+
     async def _run_kept(
         self,
         fn: Callable[..., T],
@@ -251,6 +264,9 @@ class NVMeTier:
         self._state = "opening"
         io_backend, direct_io, io_threads, wrapper = self._options
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-io")
+        self._checksum_executor = ThreadPoolExecutor(
+            max(1, min(io_threads, os.cpu_count() or 1)), thread_name_prefix="kvtier-checksum"
+        )
         try:
             # Every step runs to its end even if this task is cancelled meanwhile:
             # a worker thread that took the lock after an abandoned await would
@@ -288,6 +304,8 @@ class NVMeTier:
         if self._executor is not None:
             await _settle([self._submit(release)])  # a cancelled wait still releases
             self._executor.shutdown(wait=False)
+        if self._checksum_executor is not None:
+            self._checksum_executor.shutdown(wait=False)
 
     def _keep_lock_fd(self, _: int, fd: int) -> None:
         self._lock_fd = fd
