@@ -552,7 +552,8 @@ class TransferEngine:
             else:
                 self._pool.commit(key)
                 stored.append(key)
-        p.ready.set_result(error is None and not cancelled)
+        if not p.ready.done():  # never cancelled by kvtier; guard against outside hands
+            p.ready.set_result(error is None and not cancelled)
         if stored and self._writer is not None and (self.config.write_through or p.durable):
             # write_through=False: only durable stores write rows
             self._writer.enqueue([(k, p.by_key[k].offset, p.by_key[k].stop) for k in stored])
@@ -799,7 +800,7 @@ class TransferEngine:
         # reports a miss; waiting again let cancelled loads linger and race.)
         waits = {self._ready[c.key] for c in chunks if c.key in self._ready}
         if waits:
-            await asyncio.gather(*waits)
+            await asyncio.wait(waits)  # not gather: cancelling us must not cancel them
         pinned: list[Chunk] = []
         promote: list[Chunk] = []
         for chunk in chunks:

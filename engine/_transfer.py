@@ -25,6 +25,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
@@ -144,7 +145,9 @@ def host_pieces(
         gpu = spec.host[0] if wide else spec.host[1]
         shape = spec.shape if wide else spec.shape8
         strides = spec.strides if wide else spec.strides8
-        last = spec.offset + (num_slots - 1) * slot_nbytes + blocks_per_chunk * spec.payload
+        # The piece is packed (row-major) in the slot: prod(shape) elements per sub-block.
+        last = spec.offset + (num_slots - 1) * slot_nbytes + (blocks_per_chunk - 1) * spec.payload
+        last += math.prod(shape) * w
         assert slot_nbytes % w == 0, "slots are 4 KiB multiples"
         assert last <= num_slots * slot_nbytes, "a layer lies inside its slot"
         slots = np.lib.stride_tricks.as_strided(

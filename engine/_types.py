@@ -6,6 +6,7 @@ import enum
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import BlockIdError, ChunkRangeError, InvalidArgumentError
 
@@ -32,7 +33,7 @@ class Residency(enum.Enum):
     NVME = "nvme"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class OffloadKey:
     """Names one chunk of ONE KV cache group.
 
@@ -47,10 +48,14 @@ class OffloadKey:
 
     """
 
+    # ``_hash`` is a slot, not a field (asdict/astuple/replace ignore it):
+    # computed once, as keys are hashed several times per chunk on the loop.
+    __slots__ = ("_hash", "block_hash", "group_id")
+    if TYPE_CHECKING:  # for mypy only: at run time _hash is not a dataclass field
+        _hash: int = field(init=False, repr=False, compare=False)
+
     block_hash: bytes
     group_id: int
-    # Computed once: keys are hashed several times per chunk on the event loop.
-    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_hash, bytes) or not 1 <= len(self.block_hash) <= 64:
@@ -71,6 +76,13 @@ class OffloadKey:
     def __reduce__(self) -> tuple[type[OffloadKey], tuple[bytes, int]]:
         # Rebuilt (and re-hashed) on unpickling: str/bytes hashes differ per process.
         return OffloadKey, (self.block_hash, self.group_id)
+
+    def __setstate__(self, state: Sequence[Any]) -> None:
+        # Pickles made by versions whose state was ``[block_hash, group_id]``.
+        block_hash, group_id = state
+        object.__setattr__(self, "block_hash", block_hash)
+        object.__setattr__(self, "group_id", group_id)
+        self.__post_init__()
 
 
 def _bool(value: bool) -> bool:

@@ -1,6 +1,6 @@
 """Review of the NumPy copy path and the callback-driven job flow (commits 32ca4a6, f76e033).
 
-Bugs found are kept as ``xfail(strict=True)`` tests; the others are checks
+Bugs found (all fixed since) are regression tests; the others are checks
 that held up (each can fail: wrong bytes, leaked slots/pins, hangs, copies
 still running after ``aclose``).
 """
@@ -50,13 +50,6 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- bugs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="host_pieces bounds check adds page_start to a whole layer (offset + bpc*payload): "
-    "a legal multi-piece layer whose second piece starts past the 4 KiB trailer slack "
-    "makes start() raise a bare AssertionError (the torch path copies it fine)",
-)
 async def test_multi_piece_layer_with_a_late_piece_starts_and_round_trips() -> None:
     # K/V-first page (2 segments of 64 KiB) with an unpadded payload covering K and
     # 100 bytes of V: two pieces, the second at page_start=65536 > slack of the slot.
@@ -85,24 +78,12 @@ _OLD_KEY_PICKLE = (
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AttributeError,
-    reason="OffloadKey._hash is only set by __post_init__: a key pickled by the previous "
-    "version is restored through the dataclass __setstate__ and hash() raises AttributeError",
-)
 def test_key_pickled_by_the_previous_version_is_hashable() -> None:
     k = pickle.loads(_OLD_KEY_PICKLE)
     assert k == kvtier.OffloadKey(b"abc", 1)
     assert {kvtier.OffloadKey(b"abc", 1): 1}[k] == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="the cached hash is a dataclass field: dataclasses.asdict/astuple now expose a "
-    "per-process '_hash' and OffloadKey(**asdict(key)) raises TypeError",
-)
 def test_offload_key_asdict_round_trips() -> None:
     k = key("asdict", 2)
     assert kvtier.OffloadKey(**dataclasses.asdict(k)) == k
