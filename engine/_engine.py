@@ -71,6 +71,26 @@ class _PreparedStore:
 
 
 @dataclass
+class _Load:
+    """A submitted load copy.
+
+    ``result`` is for the caller (a cancelled caller cancels it); ``finished``
+    is set once the copy has ended, whatever happened.
+    """
+
+    call: _Call
+    result: asyncio.Future[LoadResult]
+    finished: asyncio.Future[None]
+
+
+async def _uninterrupted(fut: asyncio.Future[Any]) -> None:
+    """Wait until ``fut`` is done, even if the waiting task is cancelled again."""
+    while not fut.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(fut)
+
+
+@dataclass
 class _Ctx:
     """Set by the awaiting caller when it is cancelled."""
 
@@ -679,9 +699,12 @@ class TransferEngine:
         blocks receive no bytes from kvtier. Loads issued in the same event-loop
         iteration are coalesced into one job.
 
-        Cancellation: copies already submitted complete (and may still write
-        their GPU blocks); slots are unpinned only after that. Copies not yet
-        submitted are skipped.
+        Cancellation: when ``load`` raises ``CancelledError``, nothing writes
+        its GPU blocks any more, so they may be reused at once. A copy not yet
+        handed to a copy thread is withdrawn; one already running is waited
+        for (the cancellation is delayed by at most that copy, and by an NVMe
+        promotion in flight for the call); the blocks then hold either the
+        key's bytes or what they held before, per block.
 
         Args:
             chunks: one :class:`Chunk` per key; a GPU block may appear only once
@@ -708,7 +731,13 @@ class TransferEngine:
             pinned, failed = self._pin_resident(chunks)
             if not pinned:
                 return LoadResult((), failed)
-            return await self._submit_load(pinned, failed)
+            pending = self._submit_load(pinned, failed)
+            try:
+                return await pending.result
+            except asyncio.CancelledError:
+                if not self._withdraw("load", pending.call):
+                    await _uninterrupted(pending.finished)
+                raise
         ctx = _Ctx()
         task = asyncio.ensure_future(self._load(chunks, ctx))
         self._track(task)
@@ -716,7 +745,17 @@ class TransferEngine:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             ctx.cancelled = True
+            await _uninterrupted(task)  # it copies nothing more once it sees ``cancelled``
             raise
+
+    def _withdraw(self, direction: Direction, call: _Call) -> bool:
+        """Take a call out of the pending (not yet started) jobs and finish it as cancelled."""
+        pending = self._pending[direction]
+        if call not in pending:
+            return False
+        pending.remove(call)
+        _finish_calls([call], [asyncio.CancelledError()])
+        return True
 
     def _must_wait(self, chunks: list[Chunk]) -> bool:
         """A key of ``chunks`` has a store or promotion in flight, or must be promoted."""
@@ -750,11 +789,11 @@ class TransferEngine:
                 )
         return pinned, failed
 
-    def _submit_load(
-        self, pinned: list[Chunk], failed: dict[OffloadKey, BaseException]
-    ) -> asyncio.Future[LoadResult]:
+    def _submit_load(self, pinned: list[Chunk], failed: dict[OffloadKey, BaseException]) -> _Load:
         """Copy pinned keys to their GPU blocks; unpin them when the copy has ended."""
-        result: asyncio.Future[LoadResult] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future[LoadResult] = loop.create_future()
+        finished: asyncio.Future[None] = loop.create_future()
         copies = []
         for chunk in pinned:
             entry = self._pool.get(chunk.key)
@@ -772,9 +811,11 @@ class TransferEngine:
                     self._c.load_failures += 1
             if not result.done():
                 result.set_result(LoadResult(tuple(loaded), failed))
+            finished.set_result(None)
 
-        self._submit("load", _Call(copies, copied))
-        return result
+        call = _Call(copies, copied)
+        self._submit("load", call)
+        return _Load(call, result, finished)
 
     def _stored_range(self, key: OffloadKey) -> tuple[int, int] | None:
         entry = self._pool.get(key)
@@ -838,7 +879,9 @@ class TransferEngine:
                 failed[chunk.key] = asyncio.CancelledError()
                 self._c.load_failures += 1
             return LoadResult((), failed)
-        return await self._submit_load(pinned, failed)
+        pending = self._submit_load(pinned, failed)
+        await pending.finished
+        return pending.result.result()
 
     # ------------------------------------------------------------------ flush / stats
     async def flush(self) -> None:

@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import pathlib
 import random
+import time
 
 import pytest
+import torch
 
 import kvtier
-from kvtier import errors
+from kvtier import _transfer, errors
 
 from ._faultio import KeyFault, Wrapper
 from ._model import (
@@ -252,3 +254,50 @@ async def test_cancelled_aclose_keeps_closing(tmp_path: pathlib.Path) -> None:
     async with kvtier.TransferEngine(gpu.layout, engine_config(gpu, 8, nvme_config(tmp_path))) as e:
         assert e.lookup([c.key for c in cs]) == [kvtier.Residency.NVME] * 6
         assert not (await load_check(e, gpu, cs[:4])).failed
+
+
+@pytest.mark.parametrize("turns", [1, 2, 3, 6])
+async def test_cancelled_load_leaves_its_blocks_alone_afterwards(
+    monkeypatch: pytest.MonkeyPatch, turns: int
+) -> None:
+    # Slow copies (30 ms each, on the real copy code) so that cancellation
+    # lands while the load's copy is pending or running; once load() raised
+    # CancelledError nothing may write its blocks any more.
+    real = _transfer.run_plan
+
+    def slow(plan: list[_transfer.ChunkCopy], direction: str) -> None:
+        time.sleep(0.03)
+        real(plan, direction)
+
+    t = torch.empty((32, 4096), dtype=torch.uint8)
+    t.copy_(
+        torch.randint(
+            0, 255, t.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(1)
+        )
+    )
+    truth = t.clone()
+    layout = kvtier.KVLayout.from_tensors({0: {"a": t}})
+    config = kvtier.EngineConfig(4 * layout.slot_nbytes(4), 4)
+    async with kvtier.TransferEngine(layout, config) as engine:
+        chunks = [kvtier.Chunk(key(f"c{i}", 0), list(range(4 * i, 4 * i + 4))) for i in range(2)]
+        assert len((await engine.store(chunks)).stored) == 2
+        monkeypatch.setattr(_transfer, "run_plan", slow)
+        target = [kvtier.Chunk(c.key, [b + 16 for b in c.block_ids]) for c in chunks]
+        t[16:24] = 0
+        task = asyncio.ensure_future(engine.load(target))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        task.cancel()
+        (outcome,) = await asyncio.gather(task, return_exceptions=True)
+        seen = t[16:24].clone()
+        await asyncio.sleep(0.1)  # longer than any copy still in flight would take
+        assert torch.equal(t[16:24], seen)  # nothing wrote the blocks after the call ended
+        if isinstance(outcome, asyncio.CancelledError):  # per block: the truth or untouched
+            for b in range(8):
+                assert torch.equal(seen[b], truth[b]) or int(seen[b].count_nonzero()) == 0
+        else:
+            assert not outcome.failed
+            assert torch.equal(seen, truth[0:8])
+        stats = engine.stats()
+        assert stats.slots_pinned == 0
+        assert stats.slots_writing == 0
