@@ -301,12 +301,16 @@ def run_plan(plan: Sequence[ChunkCopy], direction: Direction) -> None:
         direction: ``"store"`` (GPU blocks -> slots) or ``"load"`` (slots -> GPU blocks).
     """
     store = direction == "store"
-    if not store and plan and plan[0].host is not None:
+    if plan and plan[0].host is not None:
+        if store:
+            for copy in plan:
+                _run_host(copy, True)
+            return
         for i, j in _slot_runs(plan):
             if j - i > 1:
                 _load_run(plan[i:j])
             else:
-                _run_host(plan[i], store)
+                _run_host(plan[i], False)
         return
     for copy in plan:
         ids = copy.block_ids

@@ -327,3 +327,30 @@ async def test_loads_of_consecutive_slots_mixed_with_partial_chunks_and_groups(
         ids = [i for j in (4, 1, 5, 0) for i in full0[j].block_ids]
         assert same(a[ids], before[0][ids])
         assert same(c[:, ids], before[2][:, ids])
+
+
+async def test_cpu_path_copies_without_torch_indexing(
+    copy_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On CPU-only hosts both directions run on the NumPy views; the torch
+    # indexing calls (the CUDA path) must not be reached.
+    if copy_path == "torch":
+        pytest.skip("checks the NumPy path")
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a torch indexing call on the CPU path")
+
+    t = torch.empty((32, 2, 16, 64), dtype=torch.bfloat16)
+    fill_random(t, 77)
+    before = t.clone()
+    layout = kvtier.KVLayout.from_tensors({0: {"a": t}})
+    chunks = [kvtier.Chunk(key(f"np{i}", 0), [31 - 4 * i, 5 + i, 17 - i, 20 + i]) for i in range(3)]
+    monkeypatch.setattr(torch, "index_select", boom)
+    monkeypatch.setattr(torch.Tensor, "index_select", boom)
+    monkeypatch.setattr(torch.Tensor, "index_copy_", boom)
+    async with kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 4)) as engine:
+        assert len((await engine.store(chunks)).stored) == 3
+        t.zero_()
+        assert not (await engine.load(chunks)).failed
+    ids = [b for c in chunks for b in c.block_ids]
+    assert same(t[ids], before[ids])
