@@ -25,6 +25,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import itertools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -337,36 +338,45 @@ def run_plan(plan: Sequence[ChunkCopy], direction: Direction) -> None:
                 gpu.index_copy_(0, idx, slot.to(device, non_blocking=True))
 
 
-def _split(plan: Sequence[ChunkCopy], parts: int) -> list[Sequence[ChunkCopy]]:
-    """Cut ``plan`` into at most ``parts`` consecutive pieces of about equal bytes."""
-    if parts <= 1 or len(plan) <= 1:
+_UNITS_PER_THREAD = 4
+
+
+def _units(plan: Sequence[ChunkCopy], threads: int) -> list[Sequence[ChunkCopy]]:
+    """Cut ``plan`` into consecutive slices, about ``_UNITS_PER_THREAD`` per copy thread.
+
+    Consecutive, so that loads of chunks in consecutive slots keep one call
+    per layer inside a slice (:func:`_slot_runs`).
+    """
+    if threads <= 1 or len(plan) <= 1:
         return [plan]
-    target = sum(c.nbytes for c in plan) / parts
-    out: list[Sequence[ChunkCopy]] = []
-    start, acc = 0, 0
-    for i, c in enumerate(plan):
-        acc += c.nbytes
-        if acc >= target * (len(out) + 1) and len(out) < parts - 1:
-            out.append(plan[start : i + 1])
-            start = i + 1
-    if start < len(plan):
-        out.append(plan[start:])
-    return out
+    size = max(1, -(-len(plan) // (threads * _UNITS_PER_THREAD)))
+    return [plan[i : i + size] for i in range(0, len(plan), size)]
 
 
 JobDone = Callable[[BaseException | None], None]
 
 
 class _HostJob:
-    """A CPU-path job in flight: its parts, and who reports its end."""
+    """A CPU-path job in flight: its units of work, and who reports its end.
 
-    __slots__ = ("done", "error", "loop", "parts", "remaining")
+    The copy threads pull units from ``next_unit`` (``next()`` on an
+    ``itertools.count`` is atomic under the GIL) until none is left, so a
+    thread that wakes late, or loses the GIL for a while, only does less of
+    the job, and the threads end within one unit of each other.
+    """
+
+    __slots__ = ("done", "error", "loop", "next_unit", "remaining", "units")
 
     def __init__(
-        self, parts: list[Sequence[ChunkCopy]], loop: asyncio.AbstractEventLoop, done: JobDone
+        self,
+        units: list[Sequence[ChunkCopy]],
+        workers: int,
+        loop: asyncio.AbstractEventLoop,
+        done: JobDone,
     ) -> None:
-        self.parts = parts
-        self.remaining = len(parts)
+        self.units = units
+        self.next_unit = itertools.count()
+        self.remaining = workers
         self.error: BaseException | None = None
         self.loop = loop
         self.done = done
@@ -419,7 +429,8 @@ class CopyExecutor:
         if self._pool is None:
             self._submit_cuda(plan, loop, done)  # pragma: no cover - CUDA hosts only
             return
-        job = _HostJob(list(_split(plan, self._threads)), loop, done)
+        units = _units(plan, self._threads)
+        job = _HostJob(units, min(self._threads, len(units)), loop, done)
         with self._lock:
             if self._running:
                 self._queue.append(job)
@@ -429,16 +440,21 @@ class CopyExecutor:
 
     def _start(self, job: _HostJob) -> None:
         assert self._pool is not None
-        for part in job.parts:
-            self._pool.submit(self._run_part, job, part)
+        for _ in range(job.remaining):
+            self._pool.submit(self._work, job)
 
-    def _run_part(self, job: _HostJob, part: Sequence[ChunkCopy]) -> None:
+    def _work(self, job: _HostJob) -> None:
         error: BaseException | None = None
-        try:
-            run_plan(part, self.direction)
-        except Exception as exc:
-            error = TransferError(f"{self.direction} copy of {len(part)} chunks failed: {exc}")
-            error.__cause__ = exc
+        units = job.units
+        while (i := next(job.next_unit)) < len(units):
+            try:
+                run_plan(units[i], self.direction)
+            except Exception as exc:
+                if error is None:
+                    error = TransferError(
+                        f"{self.direction} copy of {len(units[i])} chunks failed: {exc}"
+                    )
+                    error.__cause__ = exc
         with self._lock:
             if error is not None and job.error is None:
                 job.error = error
