@@ -40,6 +40,9 @@ from kvtier.layout import KVLayout, page_intervals
 
 log = logging.getLogger("kvtier")
 
+# A load waits at most this many times for operations in flight on its keys.
+_MAX_WAIT_ROUNDS = 8
+
 
 @dataclass
 class _Call:
@@ -769,9 +772,13 @@ class TransferEngine:
         return False
 
     def _pin_resident(
-        self, chunks: list[Chunk]
+        self, chunks: list[Chunk], promote: list[Chunk] | None = None
     ) -> tuple[list[Chunk], dict[OffloadKey, BaseException]]:
-        """Pin the resident keys of ``chunks``; the others are misses (when ``nvme`` is None)."""
+        """Pin the resident keys of ``chunks``.
+
+        Keys only on NVMe go to ``promote`` when it is given; every other key
+        is a miss (in the returned ``failed``).
+        """
         pinned: list[Chunk] = []
         failed: dict[OffloadKey, BaseException] = {}
         for chunk in chunks:
@@ -782,6 +789,13 @@ class TransferEngine:
                 self._pool.touch(key)
                 pinned.append(chunk)
                 self._c.hits += 1
+            elif (
+                promote is not None
+                and entry is None
+                and self._nvme is not None
+                and self._nvme.contains(key)
+            ):
+                promote.append(chunk)
             else:
                 self._c.misses += 1
                 failed[key] = KeyNotResidentError(
@@ -835,30 +849,16 @@ class TransferEngine:
             )
 
     async def _load(self, chunks: list[Chunk], ctx: _Ctx) -> LoadResult:
-        failed: dict[OffloadKey, BaseException] = {}
-        # Wait for stores / promotions in flight on these keys. (A promotion that
-        # another load starts while we wait is not waited for: the key then
-        # reports a miss; waiting again let cancelled loads linger and race.)
-        waits = {self._ready[c.key] for c in chunks if c.key in self._ready}
-        if waits:
+        # Wait for stores / promotions in flight on these keys, again when
+        # another call started one while we waited (else the key would read
+        # as a miss); a cancelled caller waits for this task, so stop then.
+        for _ in range(_MAX_WAIT_ROUNDS):
+            waits = {self._ready[c.key] for c in chunks if c.key in self._ready}
+            if not waits or ctx.cancelled:
+                break
             await asyncio.wait(waits)  # not gather: cancelling us must not cancel them
-        pinned: list[Chunk] = []
         promote: list[Chunk] = []
-        for chunk in chunks:
-            key = chunk.key
-            entry = self._pool.get(key)
-            if entry is not None and not entry.writing:
-                self._pool.pin(key)
-                self._pool.touch(key)
-                pinned.append(chunk)
-                self._c.hits += 1
-            elif entry is None and self._nvme is not None and self._nvme.contains(key):
-                promote.append(chunk)
-            else:
-                self._c.misses += 1
-                failed[key] = KeyNotResidentError(
-                    f"{key} is on no medium (evicted or never stored)"
-                )
+        pinned, failed = self._pin_resident(chunks, promote)
         if promote:
             ok, errors = await self._writer.promote(promote, protect={c.key for c in chunks})
             pinned.extend(ok)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
 
 import kvtier
+from kvtier import _transfer
 from tests.engine import nvme_child
 from tests.engine.helpers import fill_random, key, same
 
@@ -159,3 +163,68 @@ async def test_durable_store_writes_rows_even_without_write_through(tmp_path: Pa
             kvtier.Residency.MISS,
             kvtier.Residency.NVME,
         ]
+
+
+class _SlowReads:
+    """A RowIO that delays reads once ``slow`` is set (promotions stay in flight)."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.slow = threading.Event()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def preadv(self, *args: object, **kwargs: object) -> int:
+        if self.slow.is_set():
+            time.sleep(0.15)
+        return self.inner.preadv(*args, **kwargs)  # type: ignore[attr-defined,no-any-return]
+
+
+async def test_load_waits_for_a_promotion_another_load_starts_meanwhile(
+    tmp_path: Path, monkeypatch
+) -> None:
+    # Load A waits for a store in flight; meanwhile load B starts promoting
+    # another key of A from NVMe. A must wait for that promotion too and load
+    # the key, not report it as a miss.
+    t = torch.empty((16, 8192), dtype=torch.uint8)
+    fill_random(t, 21)
+    before = t.clone()
+    layout = kvtier.KVLayout.from_tensors({0: {"a": t}})
+    holder: list[_SlowReads] = []
+    nv = kvtier.NVMeConfig(
+        root=tmp_path,
+        capacity_bytes=16 << 20,
+        namespace="wait",
+        segment_nbytes=1 << 20,
+        row_io_wrapper=lambda inner: holder.append(_SlowReads(inner)) or holder[-1],
+    )
+    cfg = kvtier.EngineConfig(1 << 20, 2, nvme=nv)
+    k_nvme, k_new = key("on-nvme", 0), key("in-flight", 0)
+    async with kvtier.TransferEngine(layout, cfg) as engine:
+        await engine.store([kvtier.Chunk(k_nvme, [0, 1])], durable=True)
+    real = _transfer.run_plan
+
+    def slow_store(plan: list, direction: str) -> None:
+        if direction == "store":
+            time.sleep(0.05)
+        real(plan, direction)
+
+    monkeypatch.setattr(_transfer, "run_plan", slow_store)
+    async with kvtier.TransferEngine(layout, cfg) as engine:
+        assert engine.lookup([k_nvme]) == [kvtier.Residency.NVME]
+        holder[-1].slow.set()
+        store = asyncio.ensure_future(engine.store([kvtier.Chunk(k_new, [2, 3])]))
+        await asyncio.sleep(0)
+        t[8:12] = 0
+        load_a = asyncio.ensure_future(
+            engine.load([kvtier.Chunk(k_new, [8, 9]), kvtier.Chunk(k_nvme, [10, 11])])
+        )
+        await asyncio.sleep(0.01)  # A now waits for the store
+        load_b = asyncio.ensure_future(engine.load([kvtier.Chunk(k_nvme, [12, 13])]))
+        res_a, res_b = await asyncio.gather(load_a, load_b)
+        assert (await store).stored == (k_new,)
+    assert not res_b.failed
+    assert not res_a.failed, res_a.failed
+    assert same(t[[8, 9]], before[[2, 3]])
+    assert same(t[[10, 11, 12, 13]], before[[0, 1, 0, 1]])
