@@ -41,7 +41,9 @@ class BackgroundEngine:
         config: sizing and policies.
 
     Raises:
+        InvalidArgumentError: ``layout`` or ``config`` has the wrong type.
         BudgetError: ``cpu_bytes`` cannot hold one slot.
+        ConfigError: ``NVMeConfig.capacity_bytes`` cannot hold one row.
 
     """
 

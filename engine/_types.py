@@ -33,7 +33,7 @@ class Residency(enum.Enum):
     NVME = "nvme"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class OffloadKey:
     """Names one chunk of ONE KV cache group.
 
@@ -72,6 +72,11 @@ class OffloadKey:
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __repr__(self) -> str:
+        # Hex, not a bytes literal: readable in logs and error messages, and eval()-able.
+        hex_ = self.block_hash.hex()
+        return f"OffloadKey(block_hash=bytes.fromhex({hex_!r}), group_id={self.group_id})"
 
     def __reduce__(self) -> tuple[type[OffloadKey], tuple[bytes, int]]:
         # Rebuilt (and re-hashed) on unpickling: str/bytes hashes differ per process.
@@ -174,6 +179,34 @@ class EngineStats:
     Byte counts are in bytes, times in seconds. ``failures`` counts failed
     copies (``"transfer"``) and failed promotions by kind (``"checksum"``,
     ``"eio"``, ...); ``nvme`` holds the NVMe tier's counters (None without NVMe).
+
+    Attributes:
+        num_slots: CPU slots in the pool (``cpu_bytes // slot_nbytes``).
+        slot_nbytes: bytes per slot (largest group's chunk + 4 KiB trailer).
+        slots_free: slots holding no key.
+        slots_writing: slots reserved by a store (or promotion) whose copy is
+            in flight; not readable yet.
+        slots_resident: slots holding a key that may be evicted now.
+        slots_pinned: slots holding a key that may not be evicted now: a
+            load copies from it, or its NVMe row is queued or being written
+            (write-through). A store that finds every slot writing or pinned
+            rejects its keys; ``await engine.flush()`` waits until the rows
+            are written and their slots evictable again.
+        keys_per_group: resident keys per group id.
+        payload_nbytes: payload bytes of the keys in slots.
+        reserved_nbytes: ``slot_nbytes`` times occupied slots.
+        slot_waste_nbytes: ``reserved_nbytes - payload_nbytes``.
+        hits: keys a load found in a CPU slot.
+        misses: keys a load found on no medium.
+        evictions: keys evicted from CPU slots.
+        rejected: keys a store could not place (no free or evictable slot).
+        store_bytes: payload bytes copied device -> CPU (``store_seconds``:
+            summed job time).
+        load_bytes: payload bytes copied CPU -> device (``load_seconds``).
+        store_jobs: copy jobs run per direction (``load_jobs`` likewise).
+        load_failures: keys a load failed after finding them (copy or
+            promotion errors).
+        pinned_memory: the pool is page-locked (CUDA hosts).
     """
 
     num_slots: int

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import datetime
 import hashlib
 import json
 import os
@@ -582,6 +583,7 @@ async def run_bench(
     bpc = cfg.blocks_per_chunk
     return {
         "config": asdict(cfg),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),

@@ -29,7 +29,7 @@ class UnknownGroupError(InvalidArgumentError):
 
 
 class BlockIdError(InvalidArgumentError):
-    """A GPU ``block_id`` out of range, negative, or repeated within one call."""
+    """A GPU ``block_id`` out of range or negative, or written twice by one load."""
 
 
 class ChunkRangeError(InvalidArgumentError):

@@ -114,6 +114,7 @@ def _inspect_group(group_dir: pathlib.Path, digest: bytes | None, group_id: int)
     return {
         "segments": segs,
         "rows": sum(s["rows"] for s in segs),
+        "allocated_rows": sum(s.get("allocated_rows", 0) for s in segs),
         "valid_rows": sum(s["valid_rows"] for s in segs),
         "invalid_rows": sum(s["invalid_rows"] for s in segs),
     }
@@ -160,9 +161,10 @@ def inspect_root(root: str | os.PathLike[str]) -> dict[str, Any]:
     Returns:
         ``{"root": str, "namespaces": [{"directory", "format" (format.json
         as a dict, or None), "locked_by_pid", "groups": {group_id:
-        {"segments": [...], "rows", "valid_rows", "invalid_rows"}},
-        "errors": [str]}]}``; a segment's ``rows`` is its header's row
-        count, ``allocated_rows`` the rows its file holds. Garbage is
+        {"segments": [...], "rows", "allocated_rows", "valid_rows",
+        "invalid_rows"}}, "errors": [str]}]}``; ``rows`` is the row count
+        the segment headers announce (the most rows the files may grow to),
+        ``allocated_rows`` the rows the files hold now. Garbage is
         reported, never raised: an unusable segment entry (a directory, a
         dangling link, a bad header) has ``header_valid`` False and an
         ``error``; a bad ``format.json`` (not an object, a non-hex digest)

@@ -118,3 +118,6 @@ def test_inspect_lists_namespaces_and_rows(tmp_path: Path) -> None:
     assert ns["locked_by_pid"] is None  # the engine closed: no live holder
     assert ns["groups"]["0"]["valid_rows"] == 3
     assert ns["groups"]["1"]["valid_rows"] == 2
+    g0 = ns["groups"]["0"]
+    assert 3 <= g0["allocated_rows"] <= g0["rows"]
+    assert f"g0: rows={g0['allocated_rows']} (of {g0['rows']} " in res.stdout
