@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import pathlib
 import time
 from collections.abc import Collection
@@ -65,19 +66,22 @@ async def open_tier(engine: TransferEngine) -> NVMeTier:
         loop = asyncio.get_running_loop()
         holder = await loop.run_in_executor(None, _lock_holder, tier.directory / "lock")
         raise NamespaceLockedError(
-            f"NVMe namespace {cfg.namespace!r} under {str(cfg.root)!r} is locked by another "
-            f"live engine{holder}; close that engine or choose another namespace ({exc})"
+            f"NVMe namespace {cfg.namespace!r} under {str(cfg.root)!r} is held by another "
+            f"open engine{holder}; close that engine or choose another namespace "
+            f"(lock: {tier.directory / 'lock'})"
         ) from exc
     return tier
 
 
 def _lock_holder(path: pathlib.Path) -> str:
-    """`` (pid N)`` from the namespace lock file, or '' when it cannot be read (blocks)."""
+    """`` (pid N)`` from the namespace lock file (or ``(in this process)``), or '' (blocks)."""
     try:
         pid = path.read_text().strip()
     except OSError:
         return ""
-    return f" (pid {pid})" if pid.isdigit() else ""
+    if not pid.isdigit():
+        return ""
+    return " (in this process)" if int(pid) == os.getpid() else f" (pid {pid})"
 
 
 class NVMeWriter:

@@ -7,7 +7,6 @@ killed with SIGKILL (the kernel drops the lock with the process).
 
 from __future__ import annotations
 
-import os
 import pathlib
 import signal
 import subprocess
@@ -39,7 +38,7 @@ async def test_second_engine_in_one_process_is_refused(tmp_path: pathlib.Path) -
         assert isinstance(info.value, kvtier.KVTierError)
         assert repr(NAMESPACE) in message
         assert str(tmp_path) in message
-        assert f"pid {os.getpid()}" in message
+        assert "(in this process)" in message
         assert second.stats() == second_before
         with pytest.raises(kvtier.EngineClosedError):
             second.lookup([cs[0].key])
@@ -73,7 +72,7 @@ async def test_lock_is_free_after_the_holder_is_sigkilled(tmp_path: pathlib.Path
         assert word == "ready"
         engine = kvtier.TransferEngine(gpu.layout, config(gpu, "store", str(tmp_path)))
         with pytest.raises(
-            NamespaceLockedError, match=rf"locked by another live engine \(pid {pid}\)"
+            NamespaceLockedError, match=rf"held by another open engine \(pid {pid}\)"
         ):
             await engine.start()
     finally:
