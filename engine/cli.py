@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 from typing import Any
 
@@ -30,15 +31,24 @@ def parse_size(text: str) -> int:
     return size
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def _run(coro: Any) -> Any:
+    # SIGTERM (a job scheduler's stop) ends the run like Ctrl-C: the running
+    # tasks are cancelled, so temporary files and namespace locks are cleaned up.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        import uvloop
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover - uvloop is a dependency
+            import asyncio
 
+            return asyncio.run(coro)
         return uvloop.run(coro)
-    except ImportError:  # pragma: no cover - uvloop is a dependency
-        import asyncio
-
-        return asyncio.run(coro)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @click.group()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -121,3 +123,25 @@ def test_inspect_lists_namespaces_and_rows(tmp_path: Path) -> None:
     g0 = ns["groups"]["0"]
     assert 3 <= g0["allocated_rows"] <= g0["rows"]
     assert f"g0: rows={g0['allocated_rows']} (of {g0['rows']} " in res.stdout
+
+
+def test_bench_stopped_by_sigterm_removes_its_directory(tmp_path: Path) -> None:
+    with subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "bench", "--size", "128M", "--repeat", "20"],
+        cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    ) as proc:
+        deadline = time.monotonic() + 120
+        try:
+            while not list(tmp_path.glob("kvtier-bench-*/tier*")):  # in the NVMe phases
+                assert proc.poll() is None, "bench ended before its NVMe phases"
+                assert time.monotonic() < deadline, "the NVMe phases never started"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        finally:
+            proc.kill()
+    assert proc.returncode != 0
+    assert list(tmp_path.iterdir()) == []
