@@ -111,6 +111,42 @@ class BackgroundEngine:
         """:meth:`TransferEngine.load` on the engine thread; returns a Future."""
         return self._submit(self.engine.load(chunks))
 
+    def cancel(self, future: concurrent.futures.Future[Any], timeout: float | None = None) -> bool:
+        """Cancel a Future of this engine and wait until its call has ended on the engine thread.
+
+        ``future.cancel()`` alone returns at once, while the engine thread may
+        still be copying into the call's GPU blocks. After this method
+        returns, nothing writes the blocks of a cancelled :meth:`load` any
+        more, so they may be reused (it may also wait for other copies in
+        flight).
+
+        Args:
+            future: a Future returned by :meth:`store`, :meth:`load` or :meth:`flush`.
+            timeout: seconds to wait at most (None: no limit).
+
+        Returns:
+            What ``future.cancel()`` returned (False: it had already finished).
+
+        Raises:
+            TimeoutError: the call had not ended within ``timeout``.
+            EngineClosedError: the engine is closed (then no call runs anyway).
+        """
+        cancelled = future.cancel()
+        # Submitted after the cancellation (the loop runs them in order), so
+        # the cancelled call has seen it when this starts.
+        self._submit(self._settle()).result(timeout)
+        return cancelled
+
+    async def _settle(self) -> None:
+        await asyncio.sleep(0)  # let the cancelled call react first
+        # The work in flight now: a scheduled flush, then the jobs it starts,
+        # then a failed job's isolation task (not work submitted later on).
+        for _ in range(3):
+            pending = list(self.engine._tasks)
+            if not pending:
+                break
+            await asyncio.wait(pending)
+
     def flush(self) -> concurrent.futures.Future[None]:
         """:meth:`TransferEngine.flush` on the engine thread; returns a Future."""
         return self._submit(self.engine.flush())

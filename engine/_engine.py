@@ -44,7 +44,7 @@ log = logging.getLogger("kvtier")
 _MAX_WAIT_ROUNDS = 8
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (its copies hold tensors)
 class _Call:
     """One store/load call's share of a job.
 
@@ -646,6 +646,7 @@ class TransferEngine:
         t0 = time.perf_counter()
 
         def copied(error: BaseException | None) -> None:
+            isolating = False
             try:
                 self._count_job(direction, plan, time.perf_counter() - t0, error)
                 if error is not None and len(calls) > 1:
@@ -654,11 +655,14 @@ class TransferEngine:
                     task = asyncio.ensure_future(self._isolate(direction, calls))
                     task.add_done_callback(lambda _: tracker.set_result(None))
                     self._track(task)
+                    isolating = True
                     return
                 _finish_calls(calls, [error] * len(calls))
-            except BaseException:
+            except Exception:
                 log.exception("kvtier: finishing a %s job failed", direction)
-            tracker.set_result(None)
+            finally:
+                if not isolating:
+                    tracker.set_result(None)
 
         self._executors[direction].submit(plan, copied)
 
@@ -697,10 +701,12 @@ class TransferEngine:
 
         Returns when the bytes are in the GPU blocks. A key whose store is in
         flight is waited for. A key on NVMe only is read into a CPU slot,
-        verified (trailer and checksum) and then copied; a key on no medium, a
-        failed read or a failed copy lands in ``LoadResult.failed`` and its GPU
-        blocks receive no bytes from kvtier. Loads issued in the same event-loop
-        iteration are coalesced into one job.
+        verified (trailer and checksum) and then copied; a key on no medium or
+        a failed read lands in ``LoadResult.failed`` and its GPU blocks receive
+        no bytes from kvtier. A failed device copy (:class:`TransferError`)
+        fails every key of the call; some of their blocks may already hold
+        their own bytes, never other bytes. Loads issued in the same
+        event-loop iteration are coalesced into one job.
 
         Cancellation: when ``load`` raises ``CancelledError``, nothing writes
         its GPU blocks any more, so they may be reused at once. A copy not yet
