@@ -9,12 +9,14 @@ scribble pattern.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import pathlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import pytest
 import torch
 
 import kvtier
@@ -196,3 +198,21 @@ def tree(root: pathlib.Path) -> dict[str, bytes]:
         for p in sorted(root.rglob("*"))
         if p.is_file() and p.name != "lock"
     }
+
+
+REST_TIMEOUT_S = 10.0
+
+
+async def at_rest(engine: kvtier.TransferEngine, baseline: int | None = None) -> kvtier.EngineStats:
+    """Wait until no slot is pinned or writing (and, given ``baseline``, no more
+    than that many asyncio tasks run); fail after ``REST_TIMEOUT_S``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + REST_TIMEOUT_S
+    while True:
+        stats = engine.stats()
+        rest = stats.slots_pinned == 0 and stats.slots_writing == 0
+        if rest and (baseline is None or len(asyncio.all_tasks()) <= baseline):
+            return stats
+        if loop.time() > deadline:
+            pytest.fail(f"not at rest: {stats}, {len(asyncio.all_tasks())} tasks > {baseline}")
+        await asyncio.sleep(0.002)

@@ -23,6 +23,7 @@ from kvtier import _transfer, errors
 from ._faultio import KeyFault, Wrapper
 from ._model import (
     Gpu,
+    at_rest,
     chunks,
     chunks_for,
     engine_config,
@@ -31,22 +32,6 @@ from ._model import (
     nvme_config,
     store_ok,
 )
-
-REST_TIMEOUT_S = 10.0
-
-
-async def at_rest(engine: kvtier.TransferEngine, baseline: int) -> kvtier.EngineStats:
-    """Wait until nothing is pinned, writing or running; fail after REST_TIMEOUT_S."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + REST_TIMEOUT_S
-    while True:
-        stats = engine.stats()
-        rest = stats.slots_pinned == 0 and stats.slots_writing == 0
-        if rest and len(asyncio.all_tasks()) <= baseline:
-            return stats
-        if loop.time() > deadline:
-            pytest.fail(f"not at rest: {stats}, {len(asyncio.all_tasks())} tasks > {baseline}")
-        await asyncio.sleep(0.005)
 
 
 async def _cancel_after(rng: random.Random, task: asyncio.Future[object]) -> None:

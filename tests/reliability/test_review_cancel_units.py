@@ -28,6 +28,7 @@ from ._faultio import KeyFault, Wrapper
 from ._model import (
     SCRIBBLE,
     Gpu,
+    at_rest,
     chunks_for,
     engine_config,
     key,
@@ -35,21 +36,6 @@ from ._model import (
     nvme_config,
     store_ok,
 )
-
-REST_TIMEOUT_S = 10.0
-
-
-async def at_rest(engine: kvtier.TransferEngine) -> kvtier.EngineStats:
-    """Wait until no slot is writing or pinned; fail after REST_TIMEOUT_S."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + REST_TIMEOUT_S
-    while True:
-        stats = engine.stats()
-        if stats.slots_pinned == 0 and stats.slots_writing == 0:
-            return stats
-        if loop.time() > deadline:
-            pytest.fail(f"not at rest: {stats}")
-        await asyncio.sleep(0.002)
 
 
 def _slow_loads(monkeypatch: pytest.MonkeyPatch, delay_s: float) -> None:

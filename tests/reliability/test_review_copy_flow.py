@@ -28,19 +28,7 @@ import kvtier
 import kvtier._transfer as transfer
 from tests.engine.helpers import fill_random, key
 
-REST_TIMEOUT_S = 10.0
-
-
-async def at_rest(engine: kvtier.TransferEngine) -> kvtier.EngineStats:
-    """Wait until no slot is writing or pinned; fail after REST_TIMEOUT_S."""
-    deadline = time.monotonic() + REST_TIMEOUT_S
-    while True:
-        stats = engine.stats()
-        if stats.slots_pinned == 0 and stats.slots_writing == 0:
-            return stats
-        if time.monotonic() > deadline:
-            pytest.fail(f"not at rest: {stats}")
-        await asyncio.sleep(0.002)
+from ._model import at_rest
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:

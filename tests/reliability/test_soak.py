@@ -31,8 +31,7 @@ import pytest
 import kvtier
 from kvtier import errors
 
-from ._model import Gpu, chunks_for, engine_config, key, nvme_config
-from .test_cancellation import at_rest
+from ._model import Gpu, at_rest, chunks_for, engine_config, key, nvme_config
 
 SLOTS = 6
 CAPACITY_ROWS = 24
