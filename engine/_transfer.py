@@ -59,8 +59,6 @@ class PieceSpec(NamedTuple):
         payload: the layer's payload bytes per block.
         offset: byte offset of the piece inside sub-block 0 of the slot
             (layer offset + offset of the piece inside the page payload).
-        host: NumPy views of ``gpu`` and ``gpu8`` (same memory) when the cache
-            is on the CPU, else ``None``.
     """
 
     gpu: torch.Tensor
@@ -72,7 +70,6 @@ class PieceSpec(NamedTuple):
     strides8: tuple[int, ...]
     payload: int
     offset: int
-    host: tuple[npt.NDArray[Any], npt.NDArray[Any]] | None = None
 
 
 def piece_specs(group: GroupLayout, layer_offsets: Sequence[int]) -> tuple[PieceSpec, ...]:
@@ -88,14 +85,11 @@ def piece_specs(group: GroupLayout, layer_offsets: Sequence[int]) -> tuple[Piece
         for piece in layer.pieces:
             shape = tuple(piece.view.shape[1:])
             shape8 = tuple(piece.view8.shape[1:])
-            host = None
-            if piece.view.device.type == "cpu":
-                host = (piece.view.detach().numpy(), piece.view8.detach().numpy())
             specs.append(
                 PieceSpec(
                     piece.view, piece.itemsize, shape, _contiguous_strides(shape),
                     piece.view8, shape8, _contiguous_strides(shape8),
-                    layer.payload_nbytes, offset + piece.page_start, host,
+                    layer.payload_nbytes, offset + piece.page_start,
                 )
             )  # fmt: skip
     return tuple(specs)
@@ -139,11 +133,11 @@ def host_pieces(
     """
     out = []
     for spec in specs:
-        if spec.host is None:
+        if spec.gpu.device.type != "cpu":
             return None
         wide = spec.offset % spec.width == 0 and spec.payload % spec.width == 0
         w = spec.width if wide else 1
-        gpu = spec.host[0] if wide else spec.host[1]
+        gpu = (spec.gpu if wide else spec.gpu8).detach().numpy()  # same memory
         shape = spec.shape if wide else spec.shape8
         strides = spec.strides if wide else spec.strides8
         # The piece is packed (row-major) in the slot: prod(shape) elements per sub-block.
