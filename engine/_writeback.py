@@ -1,9 +1,11 @@
 """Glue between the CPU slot pool and the NVMe tier: write-through and promotion.
 
 Write-through: keys whose store completed are pinned and handed to
-:meth:`kvtier.io.NVMeTier.write_rows` in batches (everything stored while the
-previous batch was being written goes in the next one, so rows of one batch
-land in consecutive file offsets). A slot stays pinned until its row write has
+:meth:`kvtier.io.NVMeTier.write_rows` in batches. A batch stays open until one
+of the ``_MAX_BATCHES_IN_FLIGHT`` write slots is free for it (or it holds
+``_MAX_BATCH_NBYTES``), so everything stored while earlier batches were being
+written goes out together and the rows of one group land in consecutive file
+offsets: long runs, full-size requests. A slot stays pinned until its row write has
 finished. A row that fails is remembered until a ``flush()`` covering it
 reports it (:class:`~kvtier.errors.NotDurableError`). Promotion: an NVMe-only
 key is read into a freshly reserved slot, verified by the tier, and becomes a
@@ -18,10 +20,12 @@ import os
 import pathlib
 import time
 from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier._types import Chunk, OffloadKey
 from kvtier.errors import (
+    KeyNotResidentError,
     KVTierError,
     NamespaceLockedError,
     NotDurableError,
@@ -34,9 +38,23 @@ if TYPE_CHECKING:
     from kvtier.io import NVMeTier
 
 _MAX_BATCHES_IN_FLIGHT = 2
+_MAX_BATCH_NBYTES = 64 << 20
+"""An open write batch holding this many slot bytes is closed; the next key opens another."""
 
 Failures = dict[OffloadKey, BaseException]
 """The rows of a write batch that failed, by key."""
+
+
+@dataclass(eq=False)
+class _Batch:
+    """Rows queued for one ``write_rows`` call, written once a write slot is free."""
+
+    done: asyncio.Future[Failures]
+    """Set to the failed rows once every row was written or failed (shared; never cancel)."""
+    t0: float
+    rows: list[tuple[OffloadKey, int, int, int]] = field(default_factory=list)
+    """``(key, start, stop, seq)`` in enqueue order."""
+    nbytes: int = 0
 
 
 async def open_tier(engine: TransferEngine) -> NVMeTier:
@@ -90,8 +108,8 @@ class NVMeWriter:
     def __init__(self, engine: TransferEngine, tier: NVMeTier) -> None:
         self._engine = engine
         self._tier = tier
-        self._pending: list[tuple[OffloadKey, int, int, int]] = []  # key, start, stop, seq
-        self._pending_done: asyncio.Future[Failures] | None = None
+        self._open: _Batch | None = None  # the batch new keys join
+        self._waiting: list[_Batch] = []  # batches not yet handed to the tier (open included)
         self._inflight: set[asyncio.Future[Failures]] = set()
         self._batch_of: dict[OffloadKey, asyncio.Future[Failures]] = {}  # queued or in flight
         self._enqueued = 0  # keys handed to write-through so far (their sequence)
@@ -105,42 +123,47 @@ class NVMeWriter:
         self.promotion_failures = 0
         self.batch_seconds: collections.deque[float] = collections.deque(maxlen=65536)
         """Seconds from a write batch's first enqueue to its last row written."""
-        self._batch_t0: float = 0.0
 
     # ------------------------------------------------------------------ write-through
-    def enqueue(self, items: list[tuple[OffloadKey, int, int]]) -> asyncio.Future[Failures]:
+    def enqueue(self, items: list[tuple[OffloadKey, int, int]]) -> None:
         """Pin the slots of resident keys and queue their rows.
 
         Args:
             items: ``(key, start, stop)``: the stored sub-block range of each key.
-
-        Returns:
-            A future (shared by the whole batch; never cancel it) set to the
-            batch's failed rows once every row of the batch was written or failed.
+                ``self._batch_of[key]`` is then the future of the key's batch.
 
         """
         pool = self._engine._pool
-        if self._pending_done is None:
-            loop = asyncio.get_running_loop()
-            self._pending_done = loop.create_future()
-            self._inflight.add(self._pending_done)
-            self._batch_t0 = time.perf_counter()
-            loop.call_soon(self._start_batch)
+        slot_nbytes = self._engine.slot_nbytes
         for key, start, stop in items:
+            batch = self._open
+            if batch is None or batch.nbytes >= _MAX_BATCH_NBYTES:
+                batch = self._open_batch()
             pool.pin(key)
             self._enqueued += 1
-            self._pending.append((key, start, stop, self._enqueued))
-            self._batch_of[key] = self._pending_done
-        return self._pending_done
+            batch.rows.append((key, start, stop, self._enqueued))
+            batch.nbytes += slot_nbytes
+            self._batch_of[key] = batch.done
 
-    def _start_batch(self) -> None:
-        batch, self._pending = self._pending, []
-        done, self._pending_done = self._pending_done, None
-        if done is None:
-            return
-        task = asyncio.ensure_future(self._write(batch, done, self._batch_t0))
+    def _open_batch(self) -> _Batch:
+        """Open a batch for new keys; its task writes it once a write slot is free."""
+        batch = _Batch(asyncio.get_running_loop().create_future(), time.perf_counter())
+        self._open = batch
+        self._waiting.append(batch)
+        self._inflight.add(batch.done)
+        task = asyncio.ensure_future(self._write_when_free(batch))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return batch
+
+    async def _write_when_free(self, batch: _Batch) -> None:
+        async with self._sem:
+            if self._open is batch:
+                self._open = None  # later keys go to the next batch
+            if batch not in self._waiting:  # dropped by cancel()
+                return
+            self._waiting.remove(batch)
+            await self._write(batch.rows, batch.done, batch.t0)
 
     async def _write(
         self,
@@ -155,20 +178,19 @@ class NVMeWriter:
         views = []
         failed: Failures = {}
         try:
-            async with self._sem:
-                rows = []
-                for key, start, stop, _ in batch:
-                    entry = pool.get(key)
-                    assert entry is not None
-                    view = region.buffer(entry.slot, engine.slot_nbytes)
-                    views.append(view)
-                    rows.append((key, start, stop, view))
-                try:
-                    results: list[BaseException | None] = await asyncio.shield(
-                        self._tier.write_rows(rows)
-                    )
-                except Exception as exc:  # the tier refused the whole call: every row failed
-                    results = [exc] * len(rows)
+            rows = []
+            for key, start, stop, _ in batch:
+                entry = pool.get(key)
+                assert entry is not None
+                view = region.buffer(entry.slot, engine.slot_nbytes)
+                views.append(view)
+                rows.append((key, start, stop, view))
+            try:
+                results: list[BaseException | None] = await asyncio.shield(
+                    self._tier.write_rows(rows)
+                )
+            except Exception as exc:  # the tier refused the whole call: every row failed
+                results = [exc] * len(rows)
             for (key, _, _, seq), res in zip(batch, results, strict=True):
                 if res is None:
                     self.rows_written += 1
@@ -202,8 +224,6 @@ class NVMeWriter:
         rows are not affected; unreported failures stay for the next flush.
 
         """
-        if self._pending_done is not None:
-            self._start_batch()
         token = object()
         mark = self._flush_marks[token] = self._enqueued
         try:
@@ -261,26 +281,24 @@ class NVMeWriter:
     @property
     def busy(self) -> bool:
         """Whether rows are queued or being written."""
-        return bool(self._tasks or self._pending_done is not None)
+        return bool(self._tasks)
 
     async def drain(self) -> None:
         """Wait for every queued and in-flight row write (used by ``aclose``)."""
-        if self._pending_done is not None:
-            self._start_batch()
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     def cancel(self) -> None:
         """Drop rows not yet handed to the tier (hard stop); in-flight I/O still completes."""
         pool = self._engine._pool
-        for key, _, _, _ in self._pending:
-            pool.unpin(key)
-            self._batch_of.pop(key, None)
-        self._pending = []
-        if self._pending_done is not None:
-            self._inflight.discard(self._pending_done)
-            self._pending_done.set_result({})
-            self._pending_done = None
+        for batch in self._waiting:
+            for key, _, _, _ in batch.rows:
+                pool.unpin(key)
+                if self._batch_of.get(key) is batch.done:
+                    del self._batch_of[key]
+            self._inflight.discard(batch.done)
+            batch.done.set_result({})
+        self._waiting, self._open = [], None
 
     # ------------------------------------------------------------------ promotion
     async def promote(
@@ -296,7 +314,7 @@ class NVMeWriter:
         for chunk in chunks:
             rng = self._tier.stored_range(chunk.key)
             if rng is None:
-                errors[chunk.key] = KVTierError(f"{chunk.key} left NVMe before promotion")
+                errors[chunk.key] = KeyNotResidentError(f"{chunk.key} left NVMe before promotion")
                 continue
             nbytes = (rng[1] - rng[0]) * engine.layout.group(
                 chunk.key.group_id
@@ -324,7 +342,11 @@ class NVMeWriter:
         for entry, res in zip(entries, results, strict=True):
             key = entry.key
             engine._ready.pop(key, None)
-            if isinstance(res, BaseException):
+            if isinstance(res, StorageError) and res.kind == "missing":
+                # NVMe eviction (a write batch needing room) won the race: a MISS
+                pool.abort(key)
+                errors[key] = KeyNotResidentError(f"{key} left NVMe before promotion")
+            elif isinstance(res, BaseException):
                 pool.abort(key)
                 errors[key] = res
                 self.promotion_failures += 1
@@ -346,5 +368,5 @@ class NVMeWriter:
             "write_failures": self.write_failures,
             "promotions": self.promotions,
             "promotion_failures": self.promotion_failures,
-            "writes_queued": len(self._pending),
+            "writes_queued": sum(len(b.rows) for b in self._waiting),
         }

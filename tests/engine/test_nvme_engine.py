@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -228,3 +230,135 @@ async def test_load_waits_for_a_promotion_another_load_starts_meanwhile(
     assert not res_a.failed, res_a.failed
     assert same(t[[8, 9]], before[[2, 3]])
     assert same(t[[10, 11, 12, 13]], before[[0, 1, 0, 1]])
+
+
+def _after_iterations(n: int, fn: Callable[[], object]) -> None:
+    """Call ``fn`` on the event loop ``n`` iterations from now."""
+    loop = asyncio.get_running_loop()
+    if n == 0:
+        loop.call_soon(fn)
+    else:
+        loop.call_soon(_after_iterations, n - 1, fn)
+
+
+async def test_key_leaving_nvme_during_its_promotion_is_a_miss_not_a_failure(
+    tmp_path: Path,
+) -> None:
+    # The row of a key chosen for promotion is evicted (a write batch needing
+    # room) at every point of the load in turn: the key either loads bitwise
+    # or is a MISS (KeyNotResidentError), no storage failure is counted, and
+    # the other key always loads.
+    t = torch.empty((8, 4096), dtype=torch.uint8)
+    fill_random(t, 5)
+    before = t.clone()
+    layout = kvtier.KVLayout.from_tensors({0: {"a": t}})
+    nv = kvtier.NVMeConfig(root=tmp_path, capacity_bytes=1 << 24, segment_nbytes=1 << 20)
+    cfg = kvtier.EngineConfig(1 << 20, 2, nvme=nv)
+    gone, kept = key("gone", 0), key("kept", 0)
+    outcomes = set()
+    for n in range(12):
+        t.copy_(before)
+        async with kvtier.TransferEngine(layout, cfg) as engine:
+            await engine.store(
+                [kvtier.Chunk(gone, [0, 1]), kvtier.Chunk(kept, [2, 3])], durable=True
+            )
+        t[4:] = 0
+        async with kvtier.TransferEngine(layout, cfg) as engine:
+            assert engine.lookup([gone, kept]) == [kvtier.Residency.NVME] * 2
+            nvme = engine._nvme
+            assert nvme is not None
+            load = asyncio.ensure_future(
+                engine.load([kvtier.Chunk(gone, [4, 5]), kvtier.Chunk(kept, [6, 7])])
+            )
+            _after_iterations(n, functools.partial(nvme.discard, gone))
+            res = await load
+            stats = engine.stats()
+        assert kept in res.loaded
+        assert same(t[[6, 7]], before[[2, 3]])
+        if gone in res.loaded:
+            assert same(t[[4, 5]], before[[0, 1]])
+            outcomes.add("loaded")
+        else:
+            err = res.failed[gone]
+            assert isinstance(err, kvtier.errors.KeyNotResidentError), (n, err)
+            assert int(t[[4, 5]].count_nonzero()) == 0
+            outcomes.add("miss")
+        assert stats.failures == {}, (n, stats.failures)
+        assert stats.nvme is not None
+        assert stats.nvme["promotion_failures"] == 0
+    assert outcomes == {"loaded", "miss"}
+
+
+class _SlowWrites:
+    """A RowIO that records the size of every write and delays row writes."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.sizes: list[int] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def pwritev(self, handle: object, bufs: list[memoryview], offset: int) -> int:
+        n = sum(b.nbytes for b in bufs)
+        self.sizes.append(n)
+        if n > 4096:  # a row write, not a segment header
+            time.sleep(0.2)
+        return self.inner.pwritev(handle, bufs, offset)  # type: ignore[attr-defined,no-any-return]
+
+
+async def _six_stores_while_writes_are_slow(tmp_path: Path, ns: str) -> tuple[int, int]:
+    """Store six one-chunk calls while two slow batches are in flight.
+
+    Returns:
+        (row write requests, row size): requests counted from the RowIO.
+    """
+    t = torch.empty((12, 4096), dtype=torch.uint8)
+    fill_random(t, 13)
+    before = t.clone()
+    layout = kvtier.KVLayout.from_tensors({0: {"a": t}})
+    holder: list[_SlowWrites] = []
+    nv = kvtier.NVMeConfig(
+        root=tmp_path,
+        capacity_bytes=1 << 24,
+        namespace=ns,
+        segment_nbytes=1 << 20,
+        row_io_wrapper=lambda inner: holder.append(_SlowWrites(inner)) or holder[-1],
+    )
+    cfg = kvtier.EngineConfig(1 << 20, 2, nvme=nv)
+    chunks = [kvtier.Chunk(key(f"c{i}", 0), [2 * i, 2 * i + 1]) for i in range(6)]
+    async with kvtier.TransferEngine(layout, cfg) as engine:
+        await engine.store(chunks[:1])
+        await asyncio.sleep(0.05)  # batch 1 is being written
+        await engine.store(chunks[1:2])
+        await asyncio.sleep(0.05)  # batch 2 too: both write slots are busy
+        for c in chunks[2:]:
+            await engine.store([c])
+        await engine.flush()
+    t.zero_()
+    async with kvtier.TransferEngine(layout, cfg) as engine:
+        out = await engine.load(chunks)
+        assert not out.failed
+    assert same(t, before)
+    rows = [n for n in holder[0].sizes if n > 4096]
+    assert sum(rows) == 6 * layout.slot_nbytes(2)
+    return len(rows), layout.slot_nbytes(2)
+
+
+async def test_stores_made_while_both_write_slots_are_busy_go_out_as_one_batch(
+    tmp_path: Path,
+) -> None:
+    # Stores 3-6 arrive while batches 1 and 2 are written: they join one open
+    # batch, whose four consecutive rows leave in a single request.
+    requests, _ = await _six_stores_while_writes_are_slow(tmp_path, "merge")
+    assert requests == 3
+
+
+async def test_a_full_open_batch_is_closed_and_the_next_key_opens_another(
+    tmp_path: Path, monkeypatch
+) -> None:
+    from kvtier import _writeback
+
+    monkeypatch.setattr(_writeback, "_MAX_BATCH_NBYTES", 1)  # one row per batch
+    requests, _ = await _six_stores_while_writes_are_slow(tmp_path, "cap")
+    assert requests == 6
