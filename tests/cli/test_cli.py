@@ -53,11 +53,12 @@ def test_bench_tiny_size_reports_every_phase_and_cleans_up(tmp_path: Path, layou
     assert "nvme_write" in res.stdout
     result = json.loads(out.read_text())
     phases = result["phases"]
-    assert set(phases) == {"store", "load", "nvme_write", "nvme_read"}
+    assert set(phases) == {"store", "load", "nvme_write", "nvme_write_e2e", "nvme_read"}
     for p in phases.values():
         assert p["gbps"] > 0
         assert p["p99_ms"] >= p["p50_ms"] > 0, p
     assert phases["nvme_write"]["ratio_vs_raw_sequential"] > 0
+    assert phases["nvme_write_e2e"]["ratio_vs_raw_sequential"] > 0
     assert phases["nvme_read"]["ratio_vs_file_per_chunk"] > 0
     assert result["io"]["verified_repeats"] == 1
     assert result["io"]["tmpdir_removed"] is True
