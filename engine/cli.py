@@ -90,6 +90,13 @@ def main() -> None:
 )
 @click.option("--repeat", default=3, show_default=True, type=click.IntRange(1))
 @click.option(
+    "--inflight-batches",
+    default=4,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Store/load calls in flight in the copy and promotion phases.",
+)
+@click.option(
     "--dir", "root", default=None, help="Where the temporary directory goes (default: cwd)."
 )
 @click.option("--no-nvme", is_flag=True, help="Copy phases only.")
@@ -127,6 +134,7 @@ def bench(**kw: Any) -> None:
         io_backend=kw["io_backend"],
         request_nbytes=request,
         repeat=kw["repeat"],
+        inflight_batches=kw["inflight_batches"],
         root=kw["root"],
         block_order=kw["block_order"],
         nvme=not kw["no_nvme"],

@@ -43,6 +43,8 @@ def test_bench_tiny_size_reports_every_phase_and_cleans_up(tmp_path: Path, layou
         "1",
         "--blocks-per-chunk",
         "4",
+        "--inflight-batches",
+        "2",
         "--json",
         str(out),
         "--plot",
@@ -59,6 +61,9 @@ def test_bench_tiny_size_reports_every_phase_and_cleans_up(tmp_path: Path, layou
         assert p["p99_ms"] >= p["p50_ms"] > 0, p
     assert phases["nvme_write"]["ratio_vs_raw_sequential"] > 0
     assert phases["nvme_write_e2e"]["ratio_vs_raw_sequential"] > 0
+    for name in ("store", "load"):
+        assert phases[name]["pipelined"]["ratio_vs_plain_copy"] > 0
+    assert result["config"]["inflight_batches"] == 2
     assert phases["nvme_read"]["ratio_vs_file_per_chunk"] > 0
     assert result["io"]["verified_repeats"] == 1
     assert result["io"]["tmpdir_removed"] is True
