@@ -35,6 +35,9 @@ class NVMeConfig:
             lazily in steps up to it).
         request_nbytes: largest single read/write request in bytes (4 KiB multiple).
         row_io_wrapper: wraps the chosen RowIO backend (fault injection, tracing).
+        grow_ahead: allocate a group's next rows (and its first segment file
+            at open) in the background before writes need them; False: only
+            when a write needs a row (see :class:`kvtier.io.NVMeTier`).
 
     Raises:
         ConfigError: a value is out of range.
@@ -50,9 +53,12 @@ class NVMeConfig:
     segment_nbytes: int = 256 << 20
     request_nbytes: int = 4 << 20
     row_io_wrapper: Callable[[RowIO], RowIO] | None = None
+    grow_ahead: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("NVMeConfig.capacity_bytes", self.capacity_bytes)
+        if not isinstance(self.grow_ahead, bool):
+            raise ConfigError(f"NVMeConfig.grow_ahead must be a bool, got {self.grow_ahead!r}")
         _positive_int("NVMeConfig.io_threads", self.io_threads)
         _positive_int("NVMeConfig.segment_nbytes", self.segment_nbytes)
         if self.segment_nbytes < 2 * 4096:

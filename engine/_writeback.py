@@ -77,6 +77,7 @@ async def open_tier(engine: TransferEngine) -> NVMeTier:
         segment_nbytes=cfg.segment_nbytes,
         request_nbytes=cfg.request_nbytes,
         row_io_wrapper=cfg.row_io_wrapper,
+        grow_ahead=cfg.grow_ahead,
     )
     try:
         await tier.open()

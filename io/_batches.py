@@ -200,6 +200,8 @@ async def _write_group(
             job.ref = ref
         job.seq = tier._index.begin_write(job.key)
         placed.append(job)
+    if jobs:
+        grow_ahead(tier, jobs[0].key.group_id)
     runs = make_runs(tier, placed, lambda j: j.ref)
     outcomes = await asyncio.gather(*(_write_run(tier, run) for run in runs))
     return [(run, n, exc) for run, (n, exc) in zip(runs, outcomes, strict=True)]
@@ -216,6 +218,39 @@ async def _write_run(tier: NVMeTier, run: list[WriteJob]) -> tuple[int, BaseExce
         _files.write_run, tier._row_io, tier._segments[(ref.group_id, ref.segment)], spec, run
     )
     return n, exc
+
+
+def grow_ahead(tier: NVMeTier, group_id: int) -> None:
+    """Start growing a group's segments in the background if it runs low on free rows.
+
+    Writes then rarely wait for a ``fallocate`` or a new segment file. A failed
+    growth is only logged (no key fails): the group then grows on demand
+    only, so the next write that needs a row reports the error for its key,
+    until an on-demand growth succeeds.
+    """
+    if not tier._grow_ahead or group_id in tier._ahead_paused:
+        return
+    lock = tier._segment_locks.setdefault(group_id, asyncio.Lock())
+    if not lock.locked() and tier._index.wants_growth(group_id):
+        tier._spawn(_grow_ahead(tier, group_id, lock))
+
+
+async def _grow_ahead(tier: NVMeTier, group_id: int, lock: asyncio.Lock) -> None:
+    index = tier._index
+    async with lock:
+        if not index.wants_growth(group_id):
+            return
+        plan = index.plan_growth(group_id)
+        try:
+            await grow(tier, plan)
+        except Exception as exc:
+            index.abandon_growth(plan)
+            tier._ahead_paused.add(group_id)
+            log.info(
+                "growing group %d ahead of need failed (on demand only now): %s", group_id, exc
+            )
+            return
+        index.commit_growth(plan)
 
 
 async def _take_row(tier: NVMeTier, group_id: int) -> RowRef | StorageError:
@@ -237,6 +272,7 @@ async def _take_row(tier: NVMeTier, group_id: int) -> RowRef | StorageError:
                 index.unreserve(group_id)
                 return as_storage_error(exc, f"cannot grow the segments of group {group_id}")
             index.commit_growth(plan)
+            tier._ahead_paused.discard(group_id)
     return ref
 
 

@@ -275,6 +275,18 @@ class RowIndex:
         """Return the number of free rows of a group."""
         return len(self._free[group_id])
 
+    def wants_growth(self, group_id: int) -> bool:
+        """Whether a group should grow ahead of need.
+
+        True when its free rows fell below half a growth step and a full step
+        still fits in ``disk_budget_nbytes`` (growth ahead never takes the
+        last rows of the budget: an on-demand growth for a waiting write may).
+        """
+        step = self._grow_rows[group_id]
+        room = self.disk_budget_nbytes - self.allocated_nbytes
+        low = len(self._free[group_id]) <= step // 2
+        return low and room >= step * self._row_nbytes[group_id]
+
     def _release(self, ref: RowRef) -> None:
         if ref in self._pins:
             self._zombies.add(ref)

@@ -78,12 +78,20 @@ class NVMeTier:
         io_threads: I/O worker threads (bounds the I/O requests in flight).
         segment_nbytes: largest size of a segment file (header included).
             Files are not preallocated: they grow in steps of
-            ``min(segment_nbytes - 4096, 16 MiB, capacity_bytes / (4 * groups))``
+            ``min(segment_nbytes - 4096, 128 MiB, capacity_bytes / (4 * groups))``
             bytes (at least one row), with ``posix_fallocate`` (``ftruncate``
             where unsupported).
         request_nbytes: cap of one coalesced read or write request (bytes);
             a single row is never split.
         row_io_wrapper: wraps the selected backend (fault injection, counting).
+        grow_ahead: grow a group by one step in the background when it is
+            down to half a step of free rows (and create each group's first
+            segment right after :meth:`open`), so writes rarely wait for
+            ``fallocate`` or a new file; only while a whole step fits in the
+            disk budget above. A failed growth ahead fails no key: it is
+            logged, and that group grows only on demand again until an
+            on-demand growth succeeds. False: rows are added only when a
+            write needs one.
 
     Raises:
         ConfigError: an argument is out of range (no state is created).
@@ -108,6 +116,7 @@ class NVMeTier:
         segment_nbytes: int = 256 << 20,
         request_nbytes: int = 4 << 20,
         row_io_wrapper: Callable[[RowIO], RowIO] | None = None,
+        grow_ahead: bool = True,
     ) -> None:
         if not group_nbytes or any(int(n) <= 0 or int(g) < 0 for g, n in group_nbytes.items()):
             raise ConfigError(f"group_nbytes must map group ids to sizes > 0: {group_nbytes!r}")
@@ -161,6 +170,8 @@ class NVMeTier:
         grow_rows = {g: max(1, step_nbytes // r) for g, r in self._row_nbytes.items()}
         self._index = RowIndex(self._row_nbytes, capacity_bytes, rows_per_segment, grow_rows)
         self._options = (io_backend, direct_io, io_threads, row_io_wrapper)
+        self._grow_ahead = bool(grow_ahead)
+        self._ahead_paused: set[int] = set()  # groups whose last growth ahead failed
         self._state = "new"
         self._row_io: RowIO | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -287,6 +298,8 @@ class NVMeTier:
             self._state = "closed"
             raise
         self._state = "open"
+        for group_id in self._specs:  # first segments (or more rows) before the first write
+            _batches.grow_ahead(self, group_id)
 
     async def _release(self) -> None:
         row_io, segments, lock_fd = self._row_io, list(self._segments.values()), self._lock_fd

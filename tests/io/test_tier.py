@@ -107,7 +107,7 @@ async def test_overwrite_new_seq_wins_and_old_row_is_freed(open_tier, slots, tmp
 
 async def test_capacity_evicts_least_recently_used(open_tier, slots) -> None:
     row = 2 * 4096  # group 1
-    tier = await open_tier(capacity_bytes=4 * row, segment_nbytes=4096 + 2 * row)
+    tier = await open_tier(capacity_bytes=4 * row, segment_nbytes=4096 + 2 * row, grow_ahead=False)
     buf, out = slots(6), slots(1)
     for i in range(4):
         assert await tier.write_rows(
@@ -314,3 +314,37 @@ async def test_close_is_idempotent_and_flush_durable(open_tier, slots) -> None:
     await tier.close()
     with pytest.raises(EngineClosedError):
         await tier.read_rows([(key(0), buf[0])])
+
+
+async def test_growth_ahead_creates_first_segments_at_open_and_stays_ahead(
+    open_tier, slots
+) -> None:
+    capacity, segment = 64 << 20, 1 << 20
+    tier = await open_tier(capacity_bytes=capacity, segment_nbytes=segment)
+    await tier.drain()
+    step = min(segment - 4096, 128 << 20, capacity // (4 * len(GROUP_NBYTES)))
+    rows = {g: tier.row_nbytes(g) for g in GROUP_NBYTES}
+    step_rows = {g: step // r for g, r in rows.items()}
+    stats = tier.stats()
+    assert stats["segments"] == len(GROUP_NBYTES)  # before any write
+    assert stats["rows_resident"] == 0
+    assert stats["bytes_allocated"] == sum(step_rows[g] * rows[g] for g in GROUP_NBYTES)
+    # Use group 1 down to half a step of free rows: it grows one step ahead.
+    n = step_rows[1] - step_rows[1] // 2
+    buf = slots(8)
+    for start in range(0, n, 8):
+        batch = [
+            (key(i, 1), 0, 4, buf.fill(i - start, payload(key(i, 1), 4096, salt=i)))
+            for i in range(start, min(n, start + 8))
+        ]
+        assert await tier.write_rows(batch) == [None] * len(batch)
+    await tier.drain()
+    stats = tier.stats()
+    assert stats["bytes_allocated"] == sum(step_rows[g] * rows[g] for g in GROUP_NBYTES) + (
+        step_rows[1] * rows[1]
+    )
+    assert stats["bytes_allocated"] <= capacity + sum(step_rows[g] * rows[g] for g in rows)
+    assert stats["rows_resident"] == n
+    out = slots(1)
+    assert await tier.read_rows([(key(n - 1, 1), out[0])]) == [(0, 4)]
+    assert bytes(out[0][:4096]) == payload(key(n - 1, 1), 4096, salt=n - 1)

@@ -194,9 +194,37 @@ async def test_torn_write_is_detected_on_read(open_tier, slots) -> None:
     assert [isinstance(r, tuple) for r in results] == [True, False, True, True]
 
 
+async def test_failed_growth_ahead_fails_no_key_and_on_demand_growth_reports_it(
+    open_tier, slots
+) -> None:
+    fault = Fault("allocate", "errno", err=errno.ENOSPC)  # every allocation fails
+    wrap, _ = _wrapped([fault])
+    tier = await open_tier(row_io_wrapper=wrap)
+    await tier.drain()
+    assert fault.hits == len(GROUP_NBYTES)  # each group's first segment, tried ahead once
+    stats = tier.stats()
+    assert stats["segments"] == 0
+    assert stats["bytes_allocated"] == 0
+    assert not [k for k, v in stats.items() if k.startswith("failures_") and v]  # no key failed
+    assert not list(tier.directory.glob("g*/*"))  # temporary files removed
+    buf = slots(1)
+    row = (key(0), 0, 4, buf.fill(0, payload(key(0), GROUP_NBYTES[0])))
+    (err,) = await tier.write_rows([row])
+    assert err.kind == "enospc"  # the write that needed a row reports it
+    assert tier.stats()["failures_enospc"] == 1
+    await tier.drain()
+    assert fault.hits == len(GROUP_NBYTES) + 1  # no more growth ahead for that group
+    fault.times = fault.hits  # room again
+    assert await tier.write_rows([row]) == [None]
+    await tier.drain()
+    assert tier.stats()["segments"] == 1  # the on-demand growth; growth ahead may resume
+    out = slots(1)
+    assert await tier.read_rows([(key(0), out[0])]) == [(0, 4)]
+
+
 async def test_segment_creation_enospc(open_tier, slots) -> None:
     wrap, _ = _wrapped([Fault("allocate", "errno", err=errno.ENOSPC, times=1)])
-    tier = await open_tier(row_io_wrapper=wrap)
+    tier = await open_tier(row_io_wrapper=wrap, grow_ahead=False)  # creation on demand
     buf = slots(1)
     (err,) = await tier.write_rows([(key(0), 0, 4, buf.fill(0, payload(key(0), GROUP_NBYTES[0])))])
     assert err.kind == "enospc"

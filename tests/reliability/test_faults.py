@@ -225,7 +225,7 @@ async def test_segment_growth_enospc_fails_its_rows_then_recovers(tmp_path) -> N
     gpu = Gpu()
     cs = chunks([f"g{i}" for i in range(6)])
     wrap = Wrapper(KeyFault("allocate", "errno", err=errno.ENOSPC, times=1))
-    cfg = engine_config(gpu, 8, nvme_config(tmp_path, wrapper=wrap))
+    cfg = engine_config(gpu, 8, nvme_config(tmp_path, wrapper=wrap, grow_ahead=False))
     async with kvtier.TransferEngine(gpu.layout, cfg) as engine:
         await store_ok(engine, gpu, cs)
         with pytest.raises(errors.NotDurableError) as info:
