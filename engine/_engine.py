@@ -869,7 +869,11 @@ class TransferEngine:
             ok, errors = await self._writer.promote(promote, protect={c.key for c in chunks})
             pinned.extend(ok)
             failed.update(errors)
-            self._c.load_failures += len(errors)
+            for exc in errors.values():  # evicted from NVMe meanwhile: a plain miss
+                if isinstance(exc, KeyNotResidentError):
+                    self._c.misses += 1
+                else:
+                    self._c.load_failures += 1
         for chunk in list(pinned):
             try:
                 self._check_range(chunk)  # a promoted row may hold another range

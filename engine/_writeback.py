@@ -290,15 +290,24 @@ class NVMeWriter:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     def cancel(self) -> None:
-        """Drop rows not yet handed to the tier (hard stop); in-flight I/O still completes."""
+        """Drop rows not yet handed to the tier (hard stop); in-flight I/O still completes.
+
+        A dropped row is a failed row (kind ``"dropped"``): flushes and durable
+        stores waiting for it raise :class:`NotDurableError`.
+        """
         pool = self._engine._pool
         for batch in self._waiting:
-            for key, _, _, _ in batch.rows:
+            failed: Failures = {}
+            for key, _, _, seq in batch.rows:
                 pool.unpin(key)
                 if self._batch_of.get(key) is batch.done:
                     del self._batch_of[key]
+                failed[key] = StorageError(
+                    "dropped", f"{key}: row dropped by aclose(hard=True) before it was written"
+                )
+                self._failed[key] = (seq, failed[key])
             self._inflight.discard(batch.done)
-            batch.done.set_result({})
+            batch.done.set_result(failed)
         self._waiting, self._open = [], None
 
     # ------------------------------------------------------------------ promotion

@@ -70,7 +70,8 @@ class StorageError(KVTierError, OSError):
     Attributes:
         kind: one of ``"eio"``, ``"enospc"``, ``"einval"``, ``"short_read"``,
             ``"short_write"``, ``"checksum"``, ``"trailer"``, ``"capacity"``,
-            ``"missing"``, ``"header"``, ``"other"``.
+            ``"missing"``, ``"header"``, ``"dropped"`` (a row not yet written
+            when ``aclose(hard=True)`` dropped it), ``"other"``.
 
     """
 
