@@ -236,21 +236,28 @@ def grow_ahead(tier: NVMeTier, group_id: int) -> None:
 
 
 async def _grow_ahead(tier: NVMeTier, group_id: int, lock: asyncio.Lock) -> None:
-    index = tier._index
     async with lock:
-        if not index.wants_growth(group_id):
+        if not tier._index.wants_growth(group_id):
             return
-        plan = index.plan_growth(group_id)
-        try:
-            await grow(tier, plan)
-        except Exception as exc:
-            index.abandon_growth(plan)
+        exc = await _grow_step(tier, group_id)
+        if exc is not None:
             tier._ahead_paused.add(group_id)
             log.info(
                 "growing group %d ahead of need failed (on demand only now): %s", group_id, exc
             )
-            return
-        index.commit_growth(plan)
+
+
+async def _grow_step(tier: NVMeTier, group_id: int) -> Exception | None:
+    """Grow a group by one planned step (caller holds its segment lock); the error or None."""
+    index = tier._index
+    plan = index.plan_growth(group_id)
+    try:
+        await grow(tier, plan)
+    except Exception as exc:
+        index.abandon_growth(plan)
+        return exc
+    index.commit_growth(plan)
+    return None
 
 
 async def _take_row(tier: NVMeTier, group_id: int) -> RowRef | StorageError:
@@ -264,14 +271,10 @@ async def _take_row(tier: NVMeTier, group_id: int) -> RowRef | StorageError:
         async with lock:
             if index.free_rows(group_id):
                 continue
-            plan = index.plan_growth(group_id)
-            try:
-                await grow(tier, plan)
-            except Exception as exc:
-                index.abandon_growth(plan)
+            exc = await _grow_step(tier, group_id)
+            if exc is not None:
                 index.unreserve(group_id)
                 return as_storage_error(exc, f"cannot grow the segments of group {group_id}")
-            index.commit_growth(plan)
             tier._ahead_paused.discard(group_id)
     return ref
 

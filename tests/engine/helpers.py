@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+from collections.abc import Callable
 
 import torch
 
@@ -11,6 +13,15 @@ import kvtier
 
 def key(name: str | int, group_id: int) -> kvtier.OffloadKey:
     return kvtier.OffloadKey(hashlib.blake2b(str(name).encode(), digest_size=16).digest(), group_id)
+
+
+def after_iterations(n: int, fn: Callable[[], object]) -> None:
+    """Call ``fn`` on the running event loop ``n`` iterations from now."""
+    loop = asyncio.get_running_loop()
+    if n == 0:
+        loop.call_soon(fn)
+    else:
+        loop.call_soon(after_iterations, n - 1, fn)
 
 
 def fill_random(t: torch.Tensor, seed: int) -> None:

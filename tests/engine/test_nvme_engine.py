@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,7 +16,7 @@ import torch
 import kvtier
 from kvtier import _transfer
 from tests.engine import nvme_child
-from tests.engine.helpers import fill_random, key, same
+from tests.engine.helpers import after_iterations, fill_random, key, same
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -232,15 +231,6 @@ async def test_load_waits_for_a_promotion_another_load_starts_meanwhile(
     assert same(t[[10, 11, 12, 13]], before[[0, 1, 0, 1]])
 
 
-def _after_iterations(n: int, fn: Callable[[], object]) -> None:
-    """Call ``fn`` on the event loop ``n`` iterations from now."""
-    loop = asyncio.get_running_loop()
-    if n == 0:
-        loop.call_soon(fn)
-    else:
-        loop.call_soon(_after_iterations, n - 1, fn)
-
-
 async def test_key_leaving_nvme_during_its_promotion_is_a_miss_not_a_failure(
     tmp_path: Path,
 ) -> None:
@@ -270,7 +260,7 @@ async def test_key_leaving_nvme_during_its_promotion_is_a_miss_not_a_failure(
             load = asyncio.ensure_future(
                 engine.load([kvtier.Chunk(gone, [4, 5]), kvtier.Chunk(kept, [6, 7])])
             )
-            _after_iterations(n, functools.partial(nvme.discard, gone))
+            after_iterations(n, functools.partial(nvme.discard, gone))
             res = await load
             stats = engine.stats()
         assert kept in res.loaded

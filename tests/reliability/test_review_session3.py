@@ -13,7 +13,6 @@ import errno
 import functools
 import pathlib
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,6 +21,7 @@ import kvtier
 from kvtier import errors
 from kvtier.io import RowIO
 
+from ..engine.helpers import after_iterations
 from ..io.faults import Fault, FaultyRowIO
 from ._faultio import KeyFault, Wrapper
 from ._model import (
@@ -35,15 +35,6 @@ from ._model import (
 )
 
 ROW0 = 3 * 4096  # a group-0 row of the reliability layout (8 KiB payload + trailer)
-
-
-def _after_iterations(n: int, fn: Callable[[], object]) -> None:
-    """Call ``fn`` on the event loop ``n`` iterations from now."""
-    loop = asyncio.get_running_loop()
-    if n == 0:
-        loop.call_soon(fn)
-    else:
-        loop.call_soon(_after_iterations, n - 1, fn)
 
 
 async def _both_write_slots_blocked(
@@ -134,7 +125,7 @@ async def test_key_leaving_nvme_during_promotion_counts_as_a_miss(tmp_path) -> N
             for c in (gone, kept):
                 gpu.scribble(c)
             load = asyncio.ensure_future(engine.load([gone, kept]))
-            _after_iterations(n, functools.partial(nvme.discard, gone.key))
+            after_iterations(n, functools.partial(nvme.discard, gone.key))
             res = await load
             stats = engine.stats()
         assert kept.key in res.loaded
