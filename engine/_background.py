@@ -161,6 +161,13 @@ class BackgroundEngine:
         result: int = self._submit(self._call(self.engine.prefix_hits, keys)).result()
         return result
 
+    def stored_range(self, key: OffloadKey) -> tuple[int, int] | None:
+        """:meth:`TransferEngine.stored_range`, run on the engine thread (blocks briefly)."""
+        result: tuple[int, int] | None = self._submit(
+            self._call(self.engine.stored_range, key)
+        ).result()
+        return result
+
     def stats(self) -> EngineStats:
         """:meth:`TransferEngine.stats`, run on the engine thread (blocks briefly)."""
         result: EngineStats = self._submit(self._call(self.engine.stats)).result()

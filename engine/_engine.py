@@ -103,6 +103,7 @@ class _Ctx:
 @dataclass
 class _Counters:
     hits: int = 0
+    nvme_hits: int = 0
     misses: int = 0
     rejected: int = 0
     load_failures: int = 0
@@ -507,13 +508,15 @@ class TransferEngine:
             chunks: one :class:`Chunk` per key, ``block_ids`` in
                 ``[0, num_blocks)`` of its group, ``offset + len(block_ids) <=
                 blocks_per_chunk``, no key twice.
-            durable: wait for the call's NVMe rows to be durable.
+            durable: wait for the call's NVMe rows to be durable (needs an
+                NVMe tier).
 
         Returns:
             :class:`StoreResult` with ``stored``, ``skipped`` and ``rejected`` keys.
 
         Raises:
             InvalidArgumentError: bad chunks (subclasses name the rule); nothing changed.
+            ConfigError: ``durable`` on an engine without an NVMe tier; nothing changed.
             EngineClosedError: the engine is not open.
             NotDurableError: ``durable`` and rows of the call's keys could not
                 be written (its ``result`` is the StoreResult; the keys stay in CPU slots).
@@ -521,6 +524,8 @@ class TransferEngine:
 
         """
         self._check_open()
+        if durable and self.config.nvme is None:
+            raise ConfigError("store(durable=True) needs an NVMe tier (EngineConfig.nvme)")
         self._validate(chunks, load=False)
         prepared = self._prepare_store(list(chunks), durable)
         # Cancelled here, ``prepared.result`` is cancelled too: _store_copied
@@ -717,27 +722,35 @@ class TransferEngine:
 
         Args:
             chunks: one :class:`Chunk` per key; a GPU block may appear only once
-                per call; sub-blocks ``offset .. offset+len(block_ids)`` must
-                have been stored.
+                per call. A key whose stored sub-blocks (:meth:`stored_range`)
+                do not cover ``offset .. offset+len(block_ids)`` fails alone
+                with :class:`NotStoredError` in ``LoadResult.failed`` (counted
+                as a miss); the other keys load.
 
         Returns:
             :class:`LoadResult`.
 
         Raises:
-            InvalidArgumentError: bad chunks, or sub-blocks that were never
-                stored (:class:`NotStoredError`); nothing changed.
+            InvalidArgumentError: bad chunks (wrong types, block ids out of
+                range, a block twice, unknown group); nothing changed.
             EngineClosedError: the engine is not open.
 
         """
         self._check_open()
         self._validate(chunks, load=True)
+        not_stored: dict[OffloadKey, BaseException] = {}
         for chunk in chunks:
-            self._check_range(chunk)
-        chunks = list(chunks)
+            try:
+                self._check_range(chunk)
+            except NotStoredError as exc:
+                not_stored[chunk.key] = exc
+                self._c.misses += 1
+        chunks = [c for c in chunks if c.key not in not_stored] if not_stored else list(chunks)
         if not self._must_wait(chunks):
             # Fast path: every key is resident or a miss; no task, and a
             # cancelled caller leaves the unpinning to the copy's completion.
             pinned, failed = self._pin_resident(chunks)
+            failed.update(not_stored)
             if not pinned:
                 return LoadResult((), failed)
             pending = self._submit_load(pinned, failed)
@@ -751,11 +764,14 @@ class TransferEngine:
         task = asyncio.ensure_future(self._load(chunks, ctx))
         self._track(task)
         try:
-            return await asyncio.shield(task)
+            result = await asyncio.shield(task)
         except asyncio.CancelledError:
             ctx.cancelled = True
             await _uninterrupted(task)  # it copies nothing more once it sees ``cancelled``
             raise
+        if not_stored:
+            result.failed.update(not_stored)
+        return result
 
     def _withdraw(self, direction: Direction, call: _Call) -> bool:
         """Take a call out of the pending (not yet started) jobs and finish it as cancelled."""
@@ -837,6 +853,28 @@ class TransferEngine:
         self._submit("load", call)
         return _Load(call, result, finished)
 
+    def stored_range(self, key: OffloadKey) -> tuple[int, int] | None:
+        """Sub-blocks ``[start, stop)`` of ``key`` that a load can serve now (never blocks).
+
+        A chunk stored with ``Chunk(key, block_ids, offset)`` holds sub-blocks
+        ``offset .. offset + len(block_ids)`` (in ``0 .. blocks_per_chunk``);
+        a later store of the same key is skipped, so the range never grows.
+        Load any sub-range of it.
+
+        Returns:
+            ``(start, stop)`` for a key in a CPU slot, on NVMe, or whose store
+            or promotion is in flight (``PENDING``); None for a ``MISS``.
+
+        Raises:
+            InvalidArgumentError: ``key`` is not an :class:`OffloadKey`.
+            EngineClosedError: the engine is not open.
+
+        """
+        self._check_open()
+        if not isinstance(key, OffloadKey):
+            raise InvalidArgumentError(f"expected a kvtier.OffloadKey, got {type(key).__name__}")
+        return self._stored_range(key)
+
     def _stored_range(self, key: OffloadKey) -> tuple[int, int] | None:
         entry = self._pool.get(key)
         if entry is not None:
@@ -868,6 +906,7 @@ class TransferEngine:
         if promote:
             ok, errors = await self._writer.promote(promote, protect={c.key for c in chunks})
             pinned.extend(ok)
+            self._c.nvme_hits += len(ok)
             failed.update(errors)
             for exc in errors.values():  # evicted from NVMe meanwhile: a plain miss
                 if isinstance(exc, KeyNotResidentError):
@@ -898,7 +937,8 @@ class TransferEngine:
         r"""Return when every key stored before the call is durable on NVMe.
 
         Waits for the write-through of those keys, then ``fdatasync``\\ s the
-        segment files they went to (batched). No-op without NVMe.
+        segment files they went to (batched). Without an NVMe tier nothing is
+        ever durable and it returns at once (``store(durable=True)`` raises).
 
         Raises:
             NotDurableError: rows of keys stored before the call could not be
@@ -959,4 +999,5 @@ class TransferEngine:
             pinned_memory=bool(self._region and self._region.pinned),
             nvme=nvme,
             failures=dict(c.failures),
+            nvme_hits=c.nvme_hits,
         )

@@ -197,7 +197,11 @@ class EngineStats:
         reserved_nbytes: ``slot_nbytes`` times occupied slots.
         slot_waste_nbytes: ``reserved_nbytes - payload_nbytes``.
         hits: keys a load found in a CPU slot.
-        misses: keys a load found on no medium.
+        nvme_hits: keys a load found only on NVMe and promoted into a CPU
+            slot (a hit rate over both tiers is
+            ``(hits + nvme_hits) / (hits + nvme_hits + misses)``).
+        misses: keys a load found on no medium (or without the requested
+            sub-blocks).
         evictions: keys evicted from CPU slots.
         rejected: keys a store could not place (no free or evictable slot).
         store_bytes: payload bytes copied device -> CPU (``store_seconds``:
@@ -233,3 +237,4 @@ class EngineStats:
     pinned_memory: bool
     nvme: dict[str, object] | None = None
     failures: dict[str, int] = field(default_factory=dict)
+    nvme_hits: int = 0

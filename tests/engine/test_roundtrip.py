@@ -170,12 +170,27 @@ async def test_partial_first_and_short_last_chunk() -> None:
         # load a sub-range of the stored range into other blocks
         out = await engine.load([kvtier.Chunk(key("p0", 0), [10, 11], offset=2), last])
         assert not out.failed
-        with pytest.raises(kvtier.errors.NotStoredError):
-            await engine.load([kvtier.Chunk(key("p0", 0), [1, 2, 3, 4], offset=0)])
-        with pytest.raises(kvtier.errors.NotStoredError):
-            await engine.load([kvtier.Chunk(key("p1", 0), [1, 2])])
+        assert engine.stored_range(key("p0", 0)) == (1, 4)
+        assert engine.stored_range(key("p1", 0)) == (0, 1)
+        assert engine.stored_range(key("never", 0)) is None
+        # Sub-blocks never stored fail that key alone; the other key loads.
+        misses = engine.stats().misses
+        out = await engine.load(
+            [kvtier.Chunk(key("p0", 0), [1, 2, 3, 4], offset=0), kvtier.Chunk(key("p1", 0), [12])]
+        )
+        assert out.loaded == (key("p1", 0),)
+        assert isinstance(out.failed[key("p0", 0)], kvtier.errors.NotStoredError)
+        out = await engine.load([kvtier.Chunk(key("p1", 0), [1, 2])])
+        assert isinstance(out.failed[key("p1", 0)], kvtier.errors.NotStoredError)
+        out = await engine.load([kvtier.Chunk(key("p0", 0), [1], offset=0)])  # below the range
+        assert isinstance(out.failed[key("p0", 0)], kvtier.errors.NotStoredError)
+        assert engine.stats().misses == misses + 3
+        with pytest.raises(kvtier.errors.InvalidArgumentError):
+            engine.stored_range("p0")  # type: ignore[arg-type]
     assert same(t[[10, 11]], before[[6, 7]])
     assert same(t[8], before[8])
+    assert same(t[12], before[8])
+    assert int(t[[1, 2, 3, 4]].count_nonzero()) == 0  # nothing copied for the failed key
 
 
 async def test_empty_group_in_batch_and_slot_reuse_across_groups() -> None:

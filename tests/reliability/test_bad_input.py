@@ -86,8 +86,6 @@ LOAD: dict[str, Callable[[Witness], Any]] = {
     "a mapping of chunks": lambda w: {c.key: c for c in w.cpu},
     "a generator of chunks": lambda w: iter(w.cpu),
     "a key instead of a chunk": lambda w: [w.cpu[0].key],
-    "NVMe-only partial key, sub-block 0 never stored": lambda w: [_c("wp", [50, 51, 52], offset=0)],
-    "NVMe-only partial key, offset past the stored range": lambda w: [_c("wp", [50], offset=3)],
     "NVMe-only key and a CPU key on one GPU block": lambda w: [
         kvtier.Chunk(w.nvme_only[0].key, [60]),
         kvtier.Chunk(w.cpu[0].key, [60]),
@@ -134,6 +132,38 @@ async def test_bad_load_on_nvme_engine_changes_nothing(witness: Witness, case: s
         witness.gpu.scribble(c)
     await _check_unchanged(witness, lambda: witness.engine.load(LOAD[case](witness)), True)
     assert all(witness.gpu.holds(c) for c in witness.nvme_only)  # reloaded by verify()
+
+
+NOT_STORED = {
+    "NVMe-only partial key, sub-block 0 never stored": lambda: _c("wp", [50, 51, 52], offset=0),
+    "NVMe-only partial key, offset past the stored range": lambda: _c("wp", [50], offset=3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOT_STORED))
+async def test_load_of_sub_blocks_never_stored_fails_that_key_alone(
+    witness: Witness, case: str
+) -> None:
+    # Not bad input (the caller may not know the stored range after a restart):
+    # the key fails with NotStoredError, nothing is promoted or copied for it,
+    # and the other key of the call loads.
+    engine = witness.engine
+    bad, good = NOT_STORED[case](), witness.nvme_only[0]
+    for c in [*witness.nvme_only, bad]:
+        witness.gpu.scribble(c)
+    before = engine.stats()
+    assert before.nvme is not None
+    res = await engine.load([bad, good])
+    assert res.loaded == (good.key,)
+    assert isinstance(res.failed[bad.key], errors.NotStoredError)
+    after = engine.stats()
+    assert after.nvme is not None
+    assert after.misses == before.misses + 1
+    assert after.nvme["promotions"] == before.nvme["promotions"] + 1  # the good key only
+    assert engine.lookup([bad.key]) == [kvtier.Residency.NVME]
+    assert witness.gpu.holds(good)
+    assert witness.gpu.untouched(bad)
+    await witness.verify()
 
 
 @pytest.mark.parametrize("case", sorted(LOOKUP))
