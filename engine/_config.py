@@ -76,6 +76,8 @@ class NVMeConfig:
             raise ConfigError(f"NVMeConfig.direct_io {self.direct_io!r} not in auto/on/off")
         if not isinstance(self.root, str | os.PathLike):
             raise ConfigError(f"NVMeConfig.root must be a path, got {type(self.root).__name__}")
+        if not os.fspath(self.root):
+            raise ConfigError("NVMeConfig.root must not be empty (use '.' for the current folder)")
         if "\0" in os.fsdecode(self.root) or "\0" in self.namespace:
             raise ConfigError("NVMeConfig.root and namespace must not contain NUL bytes")
 

@@ -185,7 +185,8 @@ def register_prometheus(
     if ident in taken:
         raise InvalidArgumentError(
             f"an engine is already exported to this registry with labels {dict(ident[1])}: "
-            "pass labels= (e.g. {'rank': '1'}) to tell engines apart"
+            "pass labels= (e.g. {'rank': '1'}) to tell engines apart, or stop exporting "
+            "the other one first (kvtier.metrics.unregister_prometheus(collector))"
         )
     collector = _EngineCollector(engine, namespace, dict(labels or {}))
     registry.register(collector)

@@ -220,6 +220,8 @@ CONSTRUCTION: dict[str, tuple[Callable[[], Any], type[errors.KVTierError]]] = {
         errors.ConfigError,
     ),
     "nvme: root=None": (lambda: _nv(root=None), errors.ConfigError),
+    "nvme: empty root": (lambda: _nv(root=""), errors.ConfigError),
+    "nvme: grow_ahead not a bool": (lambda: _nv(grow_ahead="yes"), errors.ConfigError),
     "nvme: empty namespace": (lambda: _nv(namespace=""), errors.ConfigError),
     "nvme: request_nbytes not a 4 KiB multiple": (
         lambda: _nv(request_nbytes=4097),
