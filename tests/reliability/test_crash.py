@@ -64,6 +64,22 @@ def _wait_ready(log: pathlib.Path, timeout_s: float = 10.0) -> None:
     pytest.fail(f"the child never opened its engine: {log.read_text() if log.exists() else ''}")
 
 
+def _wait_for_op(log: pathlib.Path, ops: set[str], timeout_s: float = 2.0) -> None:
+    """Return as soon as the child's log shows one of ``ops`` in progress (or at the timeout).
+
+    Random kill times alone land mostly in the slowest operations; this puts
+    half the kills inside short ones (a store of a few chunks) too.
+    """
+    deadline = time.monotonic() + timeout_s
+    with open(log, "rb") as f:
+        while time.monotonic() < deadline:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 64))
+            tail = f.read().decode(errors="replace").splitlines()
+            if tail and tail[-1].startswith("B ") and tail[-1][2:] in ops:
+                return
+            time.sleep(0.0002)
+
+
 @pytest.mark.parametrize("phase", sorted(PHASES))
 def test_sigkill_never_gives_wrong_bytes_and_keeps_flushed_keys(
     zygote: subprocess.Popen[str], tmp_path: pathlib.Path, phase: str
@@ -86,6 +102,8 @@ def test_sigkill_never_gives_wrong_bytes_and_keeps_flushed_keys(
         pid = int(zygote.stdout.readline())
         _wait_ready(log)
         time.sleep(rng.uniform(0.0, 0.15))
+        if it % 2:  # every other kill waits for an operation the phase is about
+            _wait_for_op(log, TARGET_OPS[phase])
         os.kill(pid, signal.SIGKILL)
         assert zygote.stdout.readline().strip() == "reaped"
         life = read_log(str(log))
