@@ -920,6 +920,7 @@ class TransferEngine:
                 self._pool.unpin(chunk.key)
                 pinned.remove(chunk)
                 failed[chunk.key] = exc
+                self._c.misses += 1
         if not pinned:
             return LoadResult((), failed)
         if ctx.cancelled:  # the caller is gone: copy nothing

@@ -278,7 +278,7 @@ class RowIndex:
     def wants_growth(self, group_id: int) -> bool:
         """Whether a group should grow ahead of need.
 
-        True when its free rows fell below half a growth step and a full step
+        True when its free rows are at most half a growth step and a full step
         still fits in ``disk_budget_nbytes`` (growth ahead never takes the
         last rows of the budget: an on-demand growth for a waiting write may).
         """

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The device checks for a task that has a GPU machine (never run by CI).
+#
+# Prepared for the workplace's H200 machines (Python 3.12 with a CUDA build of
+# torch, numpy, uvloop, xxhash, aiofiles, click, rich, pytest, hypothesis,
+# pytest-timeout, cupy and the CUDA toolkit already there; no network). Not yet
+# run on one: expect to fix the first run.
+#
+# Once, on the development machine, in the repository root:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     pytest-asyncio kvikio-cu13 libkvikio-cu13 'rapids-logger==0.3.*'
+# Then one device call (about 5 minutes):
+#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
+# What comes back under $OUT: pytest-gpu.log, bench.log, bench-gpu.json.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+OUT=${OUT:-$(mktemp -d)}
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+# kvtier from this tree without an install: engine/ is the package, io/ its io.
+mkdir -p /tmp/kv/kvtier
+ln -sf "$PWD"/engine/*.py /tmp/kv/kvtier/
+ln -sfn "$PWD/io" /tmp/kv/kvtier/io
+export PYTHONPATH=/tmp/kv:${PYTHONPATH:-}
+
+nvidia-smi -L
+python3 -c "import torch, kvtier; print('torch', torch.__version__, torch.cuda.get_device_name())"
+python3 -c "from kvtier.io._rowio import kvikio_available; print('kvikio usable:', kvikio_available())"
+
+# The CUDA path and the RowIO conformance suite on every backend (kvikio included).
+# -W default: a new warning of that torch or cupy should not fail the first run.
+timeout 240 python3 -m pytest -q -p no:cacheprovider -W default \
+    tests/engine/test_gpu.py tests/io/test_rowio.py 2>&1 | tee "$OUT/pytest-gpu.log"
+
+# The main job on real device buffers, kvikio where it loads.
+timeout 240 python3 -m kvtier.cli bench --size 1G --repeat 3 --dir /tmp \
+    --json "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench.log"
