@@ -6,8 +6,7 @@
 # pytest-timeout, cupy and the CUDA toolkit already there; no network). Not yet
 # run on one: expect to fix the first run.
 #
-# Once, on the development machine, in the repository root:
-#   echo /.whl/ >> .git/info/exclude
+# Once, on the development machine, in the repository root (.whl/ is ignored):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
