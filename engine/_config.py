@@ -74,11 +74,15 @@ class NVMeConfig:
             raise ConfigError(f"NVMeConfig.io_backend {self.io_backend!r} not in auto/posix/kvikio")
         if self.direct_io not in ("auto", "on", "off"):
             raise ConfigError(f"NVMeConfig.direct_io {self.direct_io!r} not in auto/on/off")
-        if not isinstance(self.root, str | os.PathLike):
-            raise ConfigError(f"NVMeConfig.root must be a path, got {type(self.root).__name__}")
-        if not os.fspath(self.root):
+        try:
+            root = os.fspath(self.root) if isinstance(self.root, str | os.PathLike) else None
+        except TypeError:
+            root = None
+        if not isinstance(root, str):
+            raise ConfigError(f"NVMeConfig.root must be a str path, got {self.root!r}")
+        if not root:
             raise ConfigError("NVMeConfig.root must not be empty (use '.' for the current folder)")
-        if "\0" in os.fsdecode(self.root) or "\0" in self.namespace:
+        if "\0" in root or "\0" in self.namespace:
             raise ConfigError("NVMeConfig.root and namespace must not contain NUL bytes")
 
 

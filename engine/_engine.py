@@ -798,8 +798,9 @@ class TransferEngine:
     ) -> tuple[list[Chunk], dict[OffloadKey, BaseException]]:
         """Pin the resident keys of ``chunks``.
 
-        Keys only on NVMe go to ``promote`` when it is given; every other key
-        is a miss (in the returned ``failed``).
+        Keys only on NVMe go to ``promote`` when it is given; every other key,
+        and a resident key without the requested sub-blocks, is a miss (in
+        the returned ``failed``).
         """
         pinned: list[Chunk] = []
         failed: dict[OffloadKey, BaseException] = {}
@@ -807,6 +808,14 @@ class TransferEngine:
             key = chunk.key
             entry = self._pool.get(key)
             if entry is not None and not entry.writing:
+                if not (entry.start <= chunk.offset and chunk.stop <= entry.stop):
+                    # stored (by another call) with fewer sub-blocks while we waited
+                    self._c.misses += 1
+                    failed[key] = NotStoredError(
+                        f"{key}: sub-blocks [{chunk.offset}, {chunk.stop}) requested, "
+                        f"[{entry.start}, {entry.stop}) stored"
+                    )
+                    continue
                 self._pool.pin(key)
                 self._pool.touch(key)
                 pinned.append(chunk)
@@ -905,22 +914,22 @@ class TransferEngine:
         pinned, failed = self._pin_resident(chunks, promote)
         if promote:
             ok, errors = await self._writer.promote(promote, protect={c.key for c in chunks})
-            pinned.extend(ok)
-            self._c.nvme_hits += len(ok)
             failed.update(errors)
             for exc in errors.values():  # evicted from NVMe meanwhile: a plain miss
                 if isinstance(exc, KeyNotResidentError):
                     self._c.misses += 1
                 else:
                     self._c.load_failures += 1
-        for chunk in list(pinned):
-            try:
-                self._check_range(chunk)  # a promoted row may hold another range
-            except NotStoredError as exc:
-                self._pool.unpin(chunk.key)
-                pinned.remove(chunk)
-                failed[chunk.key] = exc
-                self._c.misses += 1
+            for chunk in ok:
+                try:
+                    self._check_range(chunk)  # a promoted row may hold another range
+                except NotStoredError as exc:
+                    self._pool.unpin(chunk.key)
+                    failed[chunk.key] = exc
+                    self._c.misses += 1
+                else:
+                    pinned.append(chunk)
+                    self._c.nvme_hits += 1
         if not pinned:
             return LoadResult((), failed)
         if ctx.cancelled:  # the caller is gone: copy nothing
