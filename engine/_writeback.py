@@ -54,7 +54,6 @@ class _Batch:
     t0: float
     rows: list[tuple[OffloadKey, int, int, int]] = field(default_factory=list)
     """``(key, start, stop, seq)`` in enqueue order."""
-    nbytes: int = 0
 
 
 async def open_tier(engine: TransferEngine) -> NVMeTier:
@@ -135,15 +134,14 @@ class NVMeWriter:
 
         """
         pool = self._engine._pool
-        slot_nbytes = self._engine.slot_nbytes
+        full = -(-_MAX_BATCH_NBYTES // self._engine.slot_nbytes)  # rows of a full batch
         for key, start, stop in items:
             batch = self._open
-            if batch is None or batch.nbytes >= _MAX_BATCH_NBYTES:
+            if batch is None or len(batch.rows) >= full:
                 batch = self._open_batch()
             pool.pin(key)
             self._enqueued += 1
             batch.rows.append((key, start, stop, self._enqueued))
-            batch.nbytes += slot_nbytes
             self._batch_of[key] = batch.done
 
     def _open_batch(self) -> _Batch:
@@ -164,14 +162,9 @@ class NVMeWriter:
             if batch not in self._waiting:  # dropped by cancel()
                 return
             self._waiting.remove(batch)
-            await self._write(batch.rows, batch.done, batch.t0)
+            await self._write(batch)
 
-    async def _write(
-        self,
-        batch: list[tuple[OffloadKey, int, int, int]],
-        done: asyncio.Future[Failures],
-        t0: float,
-    ) -> None:
+    async def _write(self, batch: _Batch) -> None:
         engine = self._engine
         pool = engine._pool
         region = engine._region
@@ -180,7 +173,7 @@ class NVMeWriter:
         failed: Failures = {}
         try:
             rows = []
-            for key, start, stop, _ in batch:
+            for key, start, stop, _ in batch.rows:
                 entry = pool.get(key)
                 assert entry is not None
                 view = region.buffer(entry.slot, engine.slot_nbytes)
@@ -192,7 +185,7 @@ class NVMeWriter:
                 )
             except Exception as exc:  # the tier refused the whole call: every row failed
                 results = [exc] * len(rows)
-            for (key, _, _, seq), res in zip(batch, results, strict=True):
+            for (key, _, _, seq), res in zip(batch.rows, results, strict=True):
                 if res is None:
                     self.rows_written += 1
                     self._failed.pop(key, None)
@@ -203,14 +196,14 @@ class NVMeWriter:
         finally:
             for view in views:
                 view.release()
-            for key, _, _, _ in batch:
+            for key, _, _, _ in batch.rows:
                 pool.unpin(key)
-                if self._batch_of.get(key) is done:
+                if self._batch_of.get(key) is batch.done:
                     del self._batch_of[key]
-            self._inflight.discard(done)
-            self.batch_seconds.append(time.perf_counter() - t0)
-            if not done.done():
-                done.set_result(failed)
+            self._inflight.discard(batch.done)
+            self.batch_seconds.append(time.perf_counter() - batch.t0)
+            if not batch.done.done():
+                batch.done.set_result(failed)
 
     async def flush(self) -> None:
         """Wait for every row queued before the call, then make them durable.
