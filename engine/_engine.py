@@ -125,6 +125,16 @@ def _finish_calls(calls: Sequence[_Call], errors: Sequence[BaseException | None]
             log.exception("kvtier: finishing a call failed")
 
 
+def _not_stored(chunk: Chunk, stored: tuple[int, int]) -> NotStoredError | None:
+    """The error for a chunk asking sub-blocks outside the ``stored`` range, else None."""
+    if stored[0] <= chunk.offset and chunk.stop <= stored[1]:
+        return None
+    return NotStoredError(
+        f"{chunk.key}: sub-blocks [{chunk.offset}, {chunk.stop}) requested, "
+        f"[{stored[0]}, {stored[1]}) stored"
+    )
+
+
 def _written_twice(chunks: Sequence[Chunk], group_id: int) -> int:
     """The first GPU block of ``group_id`` that two sub-blocks of ``chunks`` write."""
     seen: set[int] = set()
@@ -808,13 +818,11 @@ class TransferEngine:
             key = chunk.key
             entry = self._pool.get(key)
             if entry is not None and not entry.writing:
-                if not (entry.start <= chunk.offset and chunk.stop <= entry.stop):
+                short = _not_stored(chunk, (entry.start, entry.stop))
+                if short is not None:
                     # stored (by another call) with fewer sub-blocks while we waited
                     self._c.misses += 1
-                    failed[key] = NotStoredError(
-                        f"{key}: sub-blocks [{chunk.offset}, {chunk.stop}) requested, "
-                        f"[{entry.start}, {entry.stop}) stored"
-                    )
+                    failed[key] = short
                     continue
                 self._pool.pin(key)
                 self._pool.touch(key)
@@ -895,11 +903,9 @@ class TransferEngine:
 
     def _check_range(self, chunk: Chunk) -> None:
         rng = self._stored_range(chunk.key)
-        if rng is not None and not (rng[0] <= chunk.offset and chunk.stop <= rng[1]):
-            raise NotStoredError(
-                f"{chunk.key}: sub-blocks [{chunk.offset}, {chunk.stop}) requested, "
-                f"[{rng[0]}, {rng[1]}) stored"
-            )
+        short = None if rng is None else _not_stored(chunk, rng)
+        if short is not None:
+            raise short
 
     async def _load(self, chunks: list[Chunk], ctx: _Ctx) -> LoadResult:
         # Wait for stores / promotions in flight on these keys, again when
