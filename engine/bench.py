@@ -104,16 +104,16 @@ class Phase:
             lat = sorted(self.batch_seconds)
             out["p50_ms"] = round(1e3 * lat[len(lat) // 2], 3)
             out["p99_ms"] = round(1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3)
-        for name, secs in self.baselines.items():
-            base = self.gbps(secs)
+        bases = {name: self.gbps(secs) for name, secs in self.baselines.items()}
+
+        def ratios(gbps: float) -> dict[str, float | None]:
+            return {f"ratio_vs_{b}": round(gbps / v, 3) if v else None for b, v in bases.items()}
+
+        for name, base in bases.items():
             out[f"{name}_gbps"] = round(base, 3)
-            out[f"ratio_vs_{name}"] = round(self.gbps(self.seconds) / base, 3) if base else None
+        out |= ratios(self.gbps(self.seconds))
         for name, secs in self.variants.items():
-            gbps = self.gbps(secs)
-            out[name] = {"gbps": round(gbps, 3)} | {
-                f"ratio_vs_{b}": round(gbps / self.gbps(bs), 3) if self.gbps(bs) else None
-                for b, bs in self.baselines.items()
-            }
+            out[name] = {"gbps": round(self.gbps(secs), 3)} | ratios(self.gbps(secs))
         return out
 
 

@@ -297,11 +297,11 @@ class _SlowWrites:
         return self.inner.pwritev(handle, bufs, offset)  # type: ignore[attr-defined,no-any-return]
 
 
-async def _six_stores_while_writes_are_slow(tmp_path: Path, ns: str) -> tuple[int, int]:
+async def _six_stores_while_writes_are_slow(tmp_path: Path, ns: str) -> int:
     """Store six one-chunk calls while two slow batches are in flight.
 
     Returns:
-        (row write requests, row size): requests counted from the RowIO.
+        The row write requests counted by the RowIO.
     """
     t = torch.empty((12, 4096), dtype=torch.uint8)
     fill_random(t, 13)
@@ -332,7 +332,7 @@ async def _six_stores_while_writes_are_slow(tmp_path: Path, ns: str) -> tuple[in
     assert same(t, before)
     rows = [n for n in holder[0].sizes if n > 4096]
     assert sum(rows) == 6 * layout.slot_nbytes(2)
-    return len(rows), layout.slot_nbytes(2)
+    return len(rows)
 
 
 async def test_stores_made_while_both_write_slots_are_busy_go_out_as_one_batch(
@@ -340,7 +340,7 @@ async def test_stores_made_while_both_write_slots_are_busy_go_out_as_one_batch(
 ) -> None:
     # Stores 3-6 arrive while batches 1 and 2 are written: they join one open
     # batch, whose four consecutive rows leave in a single request.
-    requests, _ = await _six_stores_while_writes_are_slow(tmp_path, "merge")
+    requests = await _six_stores_while_writes_are_slow(tmp_path, "merge")
     assert requests == 3
 
 
@@ -350,7 +350,7 @@ async def test_a_full_open_batch_is_closed_and_the_next_key_opens_another(
     from kvtier import _writeback
 
     monkeypatch.setattr(_writeback, "_MAX_BATCH_NBYTES", 1)  # one row per batch
-    requests, _ = await _six_stores_while_writes_are_slow(tmp_path, "cap")
+    requests = await _six_stores_while_writes_are_slow(tmp_path, "cap")
     assert requests == 6
 
 
