@@ -289,7 +289,7 @@ async def grow(tier: NVMeTier, plan: Growth) -> None:
     spec = tier._specs[plan.group_id]
     if not plan.new:
         handle = tier._segments[(plan.group_id, plan.segment)]
-        await tier._run(_files.grow_segment, tier._row_io, handle, spec.row_offset(plan.stop))
+        await tier._run_meta(_files.grow_segment, tier._row_io, handle, spec.row_offset(plan.stop))
         return
     header = encode_header(
         SegmentHeader(
@@ -300,7 +300,7 @@ async def grow(tier: NVMeTier, plan: Growth) -> None:
             _files.group_layout_json(tier._layout, plan.group_id),
         )
     )
-    tier._segments[(plan.group_id, plan.segment)] = await tier._run(
+    tier._segments[(plan.group_id, plan.segment)] = await tier._run_meta(
         _files.create_segment,
         tier._row_io,
         tier.directory / f"g{plan.group_id}",
@@ -325,7 +325,7 @@ async def reclaim(tier: NVMeTier) -> None:
         by_segment.setdefault((ref.group_id, ref.segment), []).append(ref.row)
     outcomes = await asyncio.gather(
         *(
-            tier._run(
+            tier._run_meta(
                 _files.blank_rows, tier._row_io, tier._segments[seg], tier._specs[seg[0]], rows
             )
             for seg, rows in by_segment.items()

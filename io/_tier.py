@@ -49,8 +49,9 @@ class NVMeTier:
     blocking I/O runs on the tier's own ``ThreadPoolExecutor`` of
     ``io_threads`` workers, never on the loop thread or the default executor;
     row checksums (sealing before a write, verification after a read) run on
-    a second pool of ``min(io_threads, CPUs)`` workers, so that the I/O
-    workers only wait for the disk.
+    a second pool of ``min(io_threads, CPUs)`` workers, and file growth and
+    hole punching (``fallocate``, segment creation) on one more worker, so
+    that the I/O workers only wait for row reads and writes.
     Every method must be called from the one event loop thread that opened it.
 
     Slot buffers: a buffer passed to :meth:`write_rows` or :meth:`read_rows`
@@ -180,6 +181,7 @@ class NVMeTier:
         self._row_io: RowIO | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._checksum_executor: ThreadPoolExecutor | None = None
+        self._meta_executor: ThreadPoolExecutor | None = None
         self._lock_fd: int | None = None
         self._segments: dict[tuple[int, int], Any] = {}
         self._segment_locks: dict[int, asyncio.Lock] = {}
@@ -240,6 +242,15 @@ class NVMeTier:
         assert self._checksum_executor is not None
         return await asyncio.get_running_loop().run_in_executor(self._checksum_executor, fn, *args)
 
+    async def _run_meta(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run file-space work (``fallocate``, segment creation, hole punching) on its own worker.
+
+        A ``fallocate`` can take milliseconds; on an I/O worker it would leave
+        one of the ``io_threads`` request slots empty for that long.
+        """
+        assert self._meta_executor is not None
+        return await asyncio.get_running_loop().run_in_executor(self._meta_executor, fn, *args)
+
     async def _run_kept(
         self,
         fn: Callable[..., T],
@@ -282,6 +293,7 @@ class NVMeTier:
         self._checksum_executor = ThreadPoolExecutor(
             max(1, min(io_threads, os.cpu_count() or 1)), thread_name_prefix="kvtier-checksum"
         )
+        self._meta_executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-meta")
         try:
             # Every step runs to its end even if this task is cancelled meanwhile:
             # a worker thread that took the lock after an abandoned await would
@@ -321,8 +333,9 @@ class NVMeTier:
         if self._executor is not None:
             await _settle([self._submit(release)])  # a cancelled wait still releases
             self._executor.shutdown(wait=False)
-        if self._checksum_executor is not None:
-            self._checksum_executor.shutdown(wait=False)
+        for pool in (self._checksum_executor, self._meta_executor):
+            if pool is not None:
+                pool.shutdown(wait=False)
 
     def _keep_lock_fd(self, _: int, fd: int) -> None:
         self._lock_fd = fd
