@@ -50,8 +50,9 @@ class NVMeTier:
     ``io_threads`` workers, never on the loop thread or the default executor;
     row checksums (sealing before a write, verification after a read) run on
     a second pool of ``min(io_threads, CPUs)`` workers, and file growth and
-    hole punching (``fallocate``, segment creation) on one more worker, so
-    that the I/O workers only wait for row reads and writes.
+    hole punching (``fallocate``, segment creation) on a third of
+    ``min(2, io_threads)`` workers, so that the I/O workers only wait for row
+    reads and writes.
     Every method must be called from the one event loop thread that opened it.
 
     Slot buffers: a buffer passed to :meth:`write_rows` or :meth:`read_rows`
@@ -191,6 +192,7 @@ class NVMeTier:
         self._write_epoch = self._synced_epoch = 0
         self._sync_task: asyncio.Task[None] | None = None
         self._close_task: asyncio.Task[None] | None = None
+        self._opening: asyncio.Future[None] | None = None  # done once open() has ended
         self._counts: dict[str, float] = dict.fromkeys(
             ["read_bytes", "read_seconds", "write_bytes", "write_seconds"], 0
         )
@@ -243,7 +245,7 @@ class NVMeTier:
         return await asyncio.get_running_loop().run_in_executor(self._checksum_executor, fn, *args)
 
     async def _run_meta(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run file-space work (``fallocate``, segment creation, hole punching) on its own worker.
+        """Run file-space work (``fallocate``, segment creation, hole punching) on its own workers.
 
         A ``fallocate`` can take milliseconds; on an I/O worker it would leave
         one of the ``io_threads`` request slots empty for that long.
@@ -288,12 +290,21 @@ class NVMeTier:
         if self._state != "new":
             raise EngineClosedError(f"NVMe tier {self.directory} is {self._state}")
         self._state = "opening"
+        self._opening = asyncio.get_running_loop().create_future()
+        try:
+            await self._open()
+        finally:
+            self._opening.set_result(None)
+
+    async def _open(self) -> None:
         io_backend, direct_io, io_threads, wrapper = self._options
         self._executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-io")
         self._checksum_executor = ThreadPoolExecutor(
             max(1, min(io_threads, os.cpu_count() or 1)), thread_name_prefix="kvtier-checksum"
         )
-        self._meta_executor = ThreadPoolExecutor(1, thread_name_prefix="kvtier-meta")
+        self._meta_executor = ThreadPoolExecutor(
+            min(2, io_threads), thread_name_prefix="kvtier-meta"
+        )
         try:
             # Every step runs to its end even if this task is cancelled meanwhile:
             # a worker thread that took the lock after an abandoned await would
@@ -344,7 +355,8 @@ class NVMeTier:
         """Wait for in-flight I/O, fdatasync written segments, close files, release the lock.
 
         Idempotent: a later call returns at once (or waits for a close in
-        progress). A cancelled ``close`` keeps closing in the background.
+        progress). A cancelled ``close`` keeps closing in the background. A
+        ``close`` during :meth:`open` first waits for the open to end.
 
         Raises:
             StorageError: the final fdatasync failed (files are closed and the
@@ -353,6 +365,9 @@ class NVMeTier:
         """
         if self._state == "new":
             self._state = "closed"
+        if self._state == "opening":
+            assert self._opening is not None
+            await asyncio.shield(self._opening)  # open() releases what it took if it fails
         if self._state == "closed":
             return
         if self._close_task is None:
