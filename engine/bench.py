@@ -27,9 +27,7 @@ Phases (each reported in GB/s with p50/p99 per-batch latency):
 
 Baselines and kvtier alternate inside every repeat, on the same bytes, so a
 noisy neighbour hurts both sides alike; the reported ratio is kvtier/baseline
-of the median repeat. Like a serving process after its start-up (vLLM's engine
-core calls ``freeze_gc_heap()``), the bench freezes its heap with
-``gc.freeze()`` once the data set is built (``--no-gc-freeze`` does not).
+of the median repeat.
 """
 
 from __future__ import annotations
@@ -39,7 +37,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
-import gc
 import hashlib
 import json
 import os
@@ -82,8 +79,6 @@ class BenchConfig:
     nvme: bool = True
     seed: int = 0
     block_order: str = "random"
-    gc_freeze: bool = True
-    """``gc.collect(); gc.freeze()`` once the data set is built (undone at the end)."""
 
 
 @dataclass
@@ -625,27 +620,6 @@ async def run_bench(
     progress(f"allocating {shape.name}: {num_blocks} blocks")
     layout = shape.build(num_blocks, cfg.device)
     chunks = _chunks(layout, shape, cfg.blocks_per_chunk, cfg.seed, cfg.block_order)
-    if cfg.gc_freeze:
-        # A serving process marks its start-up heap static (vLLM's engine core
-        # calls freeze_gc_heap()): a full collection then skips the data set
-        # built above instead of holding the GIL for tens of ms mid-phase.
-        gc.collect()
-        gc.freeze()
-    try:
-        return await _run_phases(cfg, shape, layout, chunks, num_blocks, progress)
-    finally:
-        if cfg.gc_freeze:
-            gc.unfreeze()
-
-
-async def _run_phases(
-    cfg: BenchConfig,
-    shape: ModelShape,
-    layout: KVLayout,
-    chunks: list[kvtier.Chunk],
-    num_blocks: int,
-    progress: Callable[[str], None],
-) -> dict[str, Any]:
     report = {
         name: Phase(name, 0)
         for name in ("store", "load", "nvme_write", "nvme_write_e2e", "nvme_read")

@@ -64,7 +64,6 @@ def test_bench_tiny_size_reports_every_phase_and_cleans_up(tmp_path: Path, layou
     for name in ("store", "load"):
         assert phases[name]["pipelined"]["ratio_vs_plain_copy"] > 0
     assert result["config"]["inflight_batches"] == 2
-    assert result["config"]["gc_freeze"] is True
     assert phases["nvme_read"]["ratio_vs_file_per_chunk"] > 0
     assert result["io"]["verified_repeats"] == 1
     assert result["io"]["tmpdir_removed"] is True
@@ -116,32 +115,6 @@ def test_inspect_of_a_folder_without_namespaces_says_so(tmp_path: Path) -> None:
     assert res.returncode == 1
     assert "no kvtier namespace folder" in res.stderr
     assert "some-folder" not in res.stdout
-
-
-def test_bench_no_gc_freeze_is_recorded(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    res = kvtier(
-        "bench", "--no-nvme", "--no-gc-freeze", "--size", "4M", "--repeat", "1",
-        "--json", str(out), cwd=tmp_path,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert json.loads(out.read_text())["config"]["gc_freeze"] is False
-
-
-def test_run_bench_unfreezes_the_heap_it_froze() -> None:
-    # In process: the bench is also a library call (kvtier.bench.run_bench).
-    import asyncio
-    import gc
-
-    from kvtier.bench import BenchConfig, run_bench
-
-    before = gc.get_freeze_count()
-    seen: list[int] = []
-    cfg = BenchConfig(size_bytes=4 << 20, repeat=1, nvme=False)
-    result = asyncio.run(run_bench(cfg, progress=lambda _: seen.append(gc.get_freeze_count())))
-    assert result["config"]["gc_freeze"] is True
-    assert max(seen) > before  # frozen while the phases ran
-    assert gc.get_freeze_count() == before
 
 
 def test_bench_without_nvme_reports_no_nvme_figures(tmp_path: Path) -> None:
