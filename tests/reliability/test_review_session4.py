@@ -1,7 +1,7 @@
-"""Review of 13e411e: file growth and hole punching on the NVMe tier's own ``kvtier-meta`` worker.
+"""Review of 13e411e: file growth and hole punching on the NVMe tier's own ``kvtier-meta`` workers.
 
 ``grow()`` (``fallocate`` of a segment, creation of a new segment file) and
-``reclaim()`` (blanking stale rows) run on a single-thread executor next to
+``reclaim()`` (blanking stale rows) run on their own executor next to
 the ``io_threads`` pool. These tests go through real seams only: a RowIO
 wrapper (``row_io_wrapper``) that gates or fails ``allocate`` and the trailer
 blanking, real files, a real child process killed with SIGKILL.
