@@ -178,7 +178,8 @@ def inspect_root(root: str | os.PathLike[str]) -> dict[str, Any]:
         as a dict, or None), "locked_by_pid", "groups": {group_id:
         {"segments": [...], "rows", "allocated_rows", "valid_rows",
         "invalid_rows"}}, "errors": [str]}]}``; ``rows`` is the row count
-        the segment headers announce (the most rows the files may grow to),
+        the segment headers announce (the most rows the present files may
+        grow to; the tier adds segment files as it needs them),
         ``allocated_rows`` the rows the files hold now. Garbage is
         reported, never raised: an unusable segment entry (a directory, a
         dangling link, a bad header) has ``header_valid`` False and an
