@@ -241,8 +241,9 @@ def inspect(root: str, as_json: bool) -> None:
             click.echo(f"    error: {err}")
         for g, grp in sorted(ns["groups"].items(), key=lambda kv: int(kv[0])):
             click.echo(
-                f"    g{g}: rows={grp['allocated_rows']} (of {grp['rows']} its present segment "
-                f"files may grow to; more files follow as needed) valid={grp['valid_rows']} invalid={grp['invalid_rows']} "
+                f"    g{g}: rows={grp['allocated_rows']} (of {grp['rows']} its present "
+                "segment files may grow to; more files follow as needed) "
+                f"valid={grp['valid_rows']} invalid={grp['invalid_rows']} "
                 f"segments={len(grp['segments'])}"
             )
             for seg in grp["segments"]:
