@@ -16,6 +16,10 @@ change the engine from outside, for measurement only:
 - ``gc_off``: the cyclic garbage collector disabled during the leg.
 - ``gc_freeze``: ``gc.freeze()`` before the leg (existing objects are no longer
   scanned by collections).
+- ``busy_thread_50`` / ``busy_thread_100``: another Python thread of the
+  process runs bytecode 5 ms of every 10 ms / all the time during the leg (a
+  serving thread next to a ``BackgroundEngine``): kvtier's loop and I/O
+  threads then wait for the GIL.
 
     python benchmarks/write_ab.py --variant meta_on_io_pool --pairs 16
 """
@@ -29,6 +33,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -54,7 +59,32 @@ def _toggle(variant: str) -> tuple[Callable[[], None], Callable[[], None]]:
         return gc.disable, gc.enable
     if variant == "gc_freeze":
         return gc.freeze, gc.unfreeze
+    if variant.startswith("busy_thread_"):
+        return _busy_thread(int(variant.rsplit("_", 1)[1]))
     return (lambda: None), (lambda: None)
+
+
+def _busy_thread(percent: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(start, stop) of a thread running Python ``percent``% of every 10 ms."""
+    stop = threading.Event()
+    busy_s, idle_s = percent / 1e4, (100 - percent) / 1e4
+
+    def spin() -> None:
+        x = 0
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < busy_s:
+                x += 1
+            if idle_s:
+                time.sleep(idle_s)
+
+    thread = threading.Thread(target=spin, name="busy-serving-thread")
+
+    def undo() -> None:
+        stop.set()
+        thread.join()
+
+    return thread.start, undo
 
 
 async def _leg(layout, chunks, nvme: kvtier.NVMeConfig, variant: str | None) -> float:
@@ -124,7 +154,15 @@ if __name__ == "__main__":
     ap.add_argument(
         "--variant",
         required=True,
-        choices=["meta_on_io_pool", "no_checksum", "gc_off", "gc_freeze", "none"],
+        choices=[
+            "meta_on_io_pool",
+            "no_checksum",
+            "gc_off",
+            "gc_freeze",
+            "busy_thread_50",
+            "busy_thread_100",
+            "none",
+        ],
     )
     ap.add_argument("--pairs", type=int, default=16)
     ap.add_argument("--size-mib", type=int, default=1024)
