@@ -20,6 +20,11 @@ change the engine from outside, for measurement only:
   process runs bytecode 5 ms of every 10 ms / all the time during the leg (a
   serving thread next to a ``BackgroundEngine``): kvtier's loop and I/O
   threads then wait for the GIL.
+- ``aio_backend``: ``NVMeConfig(io_backend="aio")`` (row requests queued in the
+  kernel through Linux AIO) instead of the posix I/O threads.
+
+``--busy-percent P`` runs such a busy thread during the legs of BOTH sides
+(the raw writes stay unloaded), e.g. ``--variant aio_backend --busy-percent 50``.
 
     python benchmarks/write_ab.py --variant meta_on_io_pool --pairs 16
 """
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import os
 import shutil
@@ -87,7 +93,9 @@ def _busy_thread(percent: int) -> tuple[Callable[[], None], Callable[[], None]]:
     return thread.start, undo
 
 
-async def _leg(layout, chunks, nvme: kvtier.NVMeConfig, variant: str | None) -> float:
+async def _leg(
+    layout, chunks, nvme: kvtier.NVMeConfig, variant: str | None, busy_percent: int = 0
+) -> float:
     cfg = kvtier.EngineConfig(
         len(chunks) * layout.slot_nbytes(16),
         16,
@@ -96,6 +104,10 @@ async def _leg(layout, chunks, nvme: kvtier.NVMeConfig, variant: str | None) -> 
         write_through=False,
     )
     apply, undo = _toggle(variant or "")
+    busy_start, busy_stop = _busy_thread(busy_percent) if busy_percent else _toggle("")
+    if variant == "aio_backend":
+        nvme = dataclasses.replace(nvme, io_backend="aio")
+        cfg = dataclasses.replace(cfg, nvme=nvme)
     async with kvtier.TransferEngine(layout, cfg) as engine:
         if variant == "meta_on_io_pool":
             tier = engine._writer._tier  # type: ignore[union-attr]
@@ -103,11 +115,13 @@ async def _leg(layout, chunks, nvme: kvtier.NVMeConfig, variant: str | None) -> 
         for batch in _batches(chunks, 32):
             await engine.store(batch)
         apply()
+        busy_start()
         try:
             t0 = time.perf_counter()
             await engine.store(chunks, durable=True)
             seconds = time.perf_counter() - t0
         finally:
+            busy_stop()
             undo()
         assert (engine.stats().nvme or {}).get("write_failures", 0) == 0
     shutil.rmtree(nvme.root)
@@ -135,7 +149,9 @@ async def main(args: argparse.Namespace) -> None:
         for p in range(args.pairs + 1):  # pass 0 warms up
             for on in (False, True) if p % 2 else (True, False):
                 raw = await loop.run_in_executor(None, base.raw_write)
-                leg = await _leg(layout, chunks, nvme, args.variant if on else None)
+                leg = await _leg(
+                    layout, chunks, nvme, args.variant if on else None, args.busy_percent
+                )
                 if p:
                     ratios[on].append(raw / leg)
     finally:
@@ -161,10 +177,14 @@ if __name__ == "__main__":
             "gc_freeze",
             "busy_thread_50",
             "busy_thread_100",
+            "aio_backend",
             "none",
         ],
     )
     ap.add_argument("--pairs", type=int, default=16)
+    ap.add_argument(
+        "--busy-percent", type=int, default=0, help="a busy Python thread during both legs"
+    )
     ap.add_argument("--size-mib", type=int, default=1024)
     ap.add_argument("--dir", default=os.getcwd(), help="folder on the filesystem to measure")
     uvloop.run(main(ap.parse_args()))

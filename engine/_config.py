@@ -27,10 +27,13 @@ class NVMeConfig:
         capacity_bytes: upper bound of row bytes on disk (LRU eviction over rows).
         namespace: the user's label (model id, rank); part of the format digest.
         io_backend: ``"auto"`` (kvikio when it imports and a CUDA driver loads,
-            else posix), ``"posix"`` or ``"kvikio"``.
+            else posix), ``"posix"``, ``"kvikio"`` or ``"aio"`` (posix with row
+            requests queued in the kernel through Linux AIO, up to
+            ``4 * io_threads`` at once: they do not wait for a worker thread to
+            get the GIL back; needs O_DIRECT).
         direct_io: ``"auto"`` (probe O_DIRECT, fall back visibly), ``"on"``
             (raise if unsupported) or ``"off"``.
-        io_threads: worker threads for row I/O.
+        io_threads: worker threads for row I/O (``"aio"``: sets the AIO depth).
         segment_nbytes: largest size of one segment file in bytes (files grow
             lazily in steps up to it).
         request_nbytes: largest single read/write request in bytes (4 KiB multiple).
@@ -70,8 +73,10 @@ class NVMeConfig:
             )
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ConfigError(f"NVMeConfig.namespace must be a non-empty str: {self.namespace!r}")
-        if self.io_backend not in ("auto", "posix", "kvikio"):
-            raise ConfigError(f"NVMeConfig.io_backend {self.io_backend!r} not in auto/posix/kvikio")
+        if self.io_backend not in ("auto", "posix", "kvikio", "aio"):
+            raise ConfigError(
+                f"NVMeConfig.io_backend {self.io_backend!r} not in auto/posix/kvikio/aio"
+            )
         if self.direct_io not in ("auto", "on", "off"):
             raise ConfigError(f"NVMeConfig.direct_io {self.direct_io!r} not in auto/on/off")
         try:

@@ -79,7 +79,7 @@ def main() -> None:
     "--io-backend",
     default="auto",
     show_default=True,
-    type=click.Choice(["auto", "posix", "kvikio"]),
+    type=click.Choice(["auto", "posix", "kvikio", "aio"]),
 )
 @click.option(
     "--direct-io", default="auto", show_default=True, type=click.Choice(["auto", "on", "off"])

@@ -6,10 +6,11 @@ The engine uses :class:`NVMeTier` only; :class:`RowIO` backends and
 
 from kvtier.io._format import FORMAT_VERSION, format_digest
 from kvtier.io._inspect import inspect_root
-from kvtier.io._rowio import KvikioRowIO, PosixRowIO, RowIO, select_backend
+from kvtier.io._rowio import AioRowIO, KvikioRowIO, PosixRowIO, RowIO, select_backend
 from kvtier.io._tier import NVMeTier
 
 __all__ = [
+    "AioRowIO",
     "FORMAT_VERSION",
     "KvikioRowIO",
     "NVMeTier",

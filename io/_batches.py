@@ -208,15 +208,20 @@ async def _write_group(
 
 
 async def _write_run(tier: NVMeTier, run: list[WriteJob]) -> tuple[int, BaseException | None]:
-    """Seal a run on the checksum workers, then write it on the I/O workers."""
+    """Seal a run on the checksum workers, then write it (I/O workers, or the AIO context)."""
     ref = run[0].ref
     spec = tier._specs[ref.group_id]
     exc = await tier._run_checksum(_files.seal_run, spec, run)
     if exc is not None:
         return 0, exc
-    n, exc, _ = await tier._run(
-        _files.write_run, tier._row_io, tier._segments[(ref.group_id, ref.segment)], spec, run
-    )
+    handle = tier._segments[(ref.group_id, ref.segment)]
+    if tier._aio is not None:  # queued in the kernel: no worker thread, no GIL to wait for
+        try:
+            fut = tier._aio.submit_pwritev(handle, [j.buf for j in run], spec.row_offset(ref.row))
+            return await asyncio.wrap_future(fut), None
+        except Exception as err:
+            return 0, err
+    n, exc, _ = await tier._run(_files.write_run, tier._row_io, handle, spec, run)
     return n, exc
 
 
@@ -370,12 +375,19 @@ async def read_batch(
 
 
 async def _read_run(tier: NVMeTier, run: list[ReadJob]) -> list[StorageError | None]:
-    """Read a run on the I/O workers, then verify its rows on the checksum workers."""
+    """Read a run (I/O workers, or the AIO context), then verify it on the checksum workers."""
     ref = run[0].entry.ref
     spec = tier._specs[ref.group_id]
-    nbytes, _ = await tier._run(
-        _files.read_run, tier._row_io, tier._segments[(ref.group_id, ref.segment)], spec, run
-    )
+    handle = tier._segments[(ref.group_id, ref.segment)]
+    nbytes: int | StorageError
+    if tier._aio is not None:
+        try:
+            fut = tier._aio.submit_preadv(handle, [j.buf for j in run], spec.row_offset(ref.row))
+            nbytes = await asyncio.wrap_future(fut)
+        except Exception as err:
+            nbytes = _files.read_failure(err)
+    else:
+        nbytes, _ = await tier._run(_files.read_run, tier._row_io, handle, spec, run)
     return await tier._run_checksum(_files.verify_run, spec, run, nbytes)
 
 

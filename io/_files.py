@@ -403,11 +403,16 @@ def read_run(
     try:
         n = row_io.preadv(handle, [j.buf for j in jobs], spec.row_offset(jobs[0].entry.ref.row))
     except Exception as exc:
-        errno_ = exc.errno if isinstance(exc, OSError) else None
-        err = StorageError(storage_error_kind(exc), f"row read failed: {exc}", errno_)
-        err.__cause__ = exc
-        return err, time.perf_counter() - t0
+        return read_failure(exc), time.perf_counter() - t0
     return n, time.perf_counter() - t0
+
+
+def read_failure(exc: BaseException) -> StorageError:
+    """The :class:`StorageError` of a failed row read request (the OSError's kind, chained)."""
+    errno_ = exc.errno if isinstance(exc, OSError) else None
+    err = StorageError(storage_error_kind(exc), f"row read failed: {exc}", errno_)
+    err.__cause__ = exc
+    return err
 
 
 def verify_run(

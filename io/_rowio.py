@@ -7,6 +7,7 @@ not raised: the caller decides that a short read or write is a failure.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import errno
@@ -21,9 +22,11 @@ from kvtier.errors import ConfigError
 from kvtier.io._align import ALIGN, buffer_address, check_direct
 
 __all__ = [
+    "AioRowIO",
     "KvikioRowIO",
     "PosixRowIO",
     "RowIO",
+    "SubmittingRowIO",
     "kvikio_available",
     "probe_direct_io",
     "select_backend",
@@ -95,6 +98,28 @@ class RowIO(Protocol):
         ...
 
 
+@runtime_checkable
+class SubmittingRowIO(RowIO, Protocol):
+    """A :class:`RowIO` that can also queue row requests and return at once (``"aio"``).
+
+    The tier sends row reads and writes through these methods when the
+    backend (or the ``row_io_wrapper`` around it) has them; everything else
+    uses the blocking methods on worker threads.
+    """
+
+    def submit_pwritev(
+        self, handle: Any, bufs: Sequence[memoryview], file_offset: int
+    ) -> concurrent.futures.Future[int]:
+        """Queue a write; the future gets the bytes written or the OSError."""
+        ...
+
+    def submit_preadv(
+        self, handle: Any, bufs: Sequence[memoryview], file_offset: int
+    ) -> concurrent.futures.Future[int]:
+        """Queue a read; the future gets the bytes read or the OSError."""
+        ...
+
+
 def _check_request(bufs: Sequence[memoryview], file_offset: int) -> None:
     offset = file_offset
     for buf in bufs:
@@ -163,6 +188,63 @@ class PosixRowIO:
     def close(self, handle: int) -> None:
         """See :meth:`RowIO.close`."""
         os.close(handle)
+
+
+class AioRowIO(PosixRowIO):
+    """The posix backend plus Linux AIO submission for row reads and writes.
+
+    The blocking methods are :class:`PosixRowIO`'s (segment headers, scans,
+    blanking use them); :meth:`submit_pwritev` and :meth:`submit_preadv`
+    queue a request in the kernel and return a future at once, so requests do
+    not wait for a worker thread to get the GIL back (see
+    :mod:`kvtier.io._aio`). Needs O_DIRECT.
+
+    Args:
+        depth: most requests queued in the kernel at once.
+
+    Raises:
+        OSError: no AIO context could be created.
+
+    """
+
+    def __init__(self, depth: int) -> None:
+        from kvtier.io._aio import AioContext
+
+        super().__init__(direct=True)
+        self.name = "aio"
+        self._ctx = AioContext(depth)
+
+    def __repr__(self) -> str:
+        return f"AioRowIO(depth={self._ctx.depth})"
+
+    def submit_pwritev(
+        self, handle: int, bufs: Sequence[memoryview], file_offset: int
+    ) -> concurrent.futures.Future[int]:
+        """Queue a write of ``bufs`` at ``file_offset``; the future gets the bytes written.
+
+        Raises:
+            AlignmentError: a buffer or the offset is not 4 KiB aligned
+                (checked before anything is queued).
+
+        """
+        _check_request(bufs, file_offset)
+        return self._ctx.submit(True, handle, [memoryview(b) for b in bufs], file_offset)
+
+    def submit_preadv(
+        self, handle: int, bufs: Sequence[memoryview], file_offset: int
+    ) -> concurrent.futures.Future[int]:
+        """Queue a read into ``bufs`` from ``file_offset``; the future gets the bytes read.
+
+        Raises:
+            AlignmentError: a buffer or the offset is not 4 KiB aligned.
+
+        """
+        _check_request(bufs, file_offset)
+        return self._ctx.submit(False, handle, [memoryview(b) for b in bufs], file_offset)
+
+    def shutdown(self) -> None:
+        """Wait for queued requests, then free the AIO context (blocks; idempotent)."""
+        self._ctx.close()
 
 
 def _each_buffer(op: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
@@ -304,26 +386,31 @@ def probe_direct_io(probe_dir: str | os.PathLike[str]) -> bool:
             os.unlink(path)
 
 
-def select_backend(io_backend: str, direct_io: str, probe_dir: str | os.PathLike[str]) -> RowIO:
+def select_backend(
+    io_backend: str, direct_io: str, probe_dir: str | os.PathLike[str], aio_depth: int = 16
+) -> RowIO:
     """Choose and construct the RowIO backend (blocks: probes the filesystem).
 
     Args:
         io_backend: ``"auto"`` (kvikio when :func:`kvikio_available`, else
-            posix), ``"posix"`` or ``"kvikio"``.
+            posix), ``"posix"``, ``"kvikio"`` or ``"aio"`` (posix with Linux
+            AIO submission of row requests; needs O_DIRECT).
         direct_io: ``"auto"`` (probe O_DIRECT in ``probe_dir``; on failure log
             a warning and use buffered I/O), ``"on"`` or ``"off"``.
         probe_dir: an existing writable directory on the target filesystem.
+        aio_depth: requests queued in the kernel at once (``"aio"`` only).
 
     Returns:
         The backend; its ``direct`` attribute tells whether O_DIRECT is used.
 
     Raises:
         ConfigError: unknown option value; ``io_backend="kvikio"`` without
-            kvikio or a CUDA driver; ``direct_io="on"`` where O_DIRECT fails.
+            kvikio or a CUDA driver; ``direct_io="on"`` where O_DIRECT fails;
+            ``io_backend="aio"`` without O_DIRECT or a Linux AIO context.
 
     """
-    if io_backend not in ("auto", "posix", "kvikio"):
-        raise ConfigError(f"io_backend must be auto, posix or kvikio, got {io_backend!r}")
+    if io_backend not in ("auto", "posix", "kvikio", "aio"):
+        raise ConfigError(f"io_backend must be auto, posix, kvikio or aio, got {io_backend!r}")
     if direct_io not in ("auto", "on", "off"):
         raise ConfigError(f"direct_io must be auto, on or off, got {direct_io!r}")
     direct = False
@@ -333,6 +420,15 @@ def select_backend(io_backend: str, direct_io: str, probe_dir: str | os.PathLike
             raise ConfigError(f"direct_io='on' but O_DIRECT does not work in {probe_dir}")
         if not direct:
             log.warning("O_DIRECT does not work in %s; falling back to buffered I/O", probe_dir)
+    if io_backend == "aio":
+        if not direct:
+            raise ConfigError(
+                f"io_backend='aio' needs O_DIRECT, which is off or fails in {probe_dir}"
+            )
+        try:
+            return AioRowIO(aio_depth)
+        except OSError as exc:
+            raise ConfigError(f"io_backend='aio': no Linux AIO context: {exc}") from exc
     use_kvikio = io_backend == "kvikio" or (io_backend == "auto" and kvikio_available())
     if use_kvikio:
         if io_backend == "kvikio" and not kvikio_available():

@@ -32,7 +32,7 @@ from kvtier.io._format import (
     format_fields,
 )
 from kvtier.io._index import RowIndex
-from kvtier.io._rowio import IOV_MAX, RowIO, select_backend
+from kvtier.io._rowio import IOV_MAX, AioRowIO, RowIO, SubmittingRowIO, select_backend
 
 __all__ = ["FAILURE_KINDS", "NVMeTier"]
 
@@ -79,7 +79,9 @@ class NVMeTier:
         layout_description: ``KVLayout.describe()`` (JSON-able).
         blocks_per_chunk: GPU blocks per chunk (bounds stored ranges).
         group_nbytes: group id -> unpadded payload bytes of one chunk.
-        io_backend: ``"auto"``, ``"posix"`` or ``"kvikio"``.
+        io_backend: ``"auto"``, ``"posix"``, ``"kvikio"`` or ``"aio"`` (see
+            :func:`~kvtier.io.select_backend`; ``"aio"`` queues up to
+            ``4 * io_threads`` row requests in the kernel).
         direct_io: ``"auto"``, ``"on"`` or ``"off"``.
         io_threads: I/O worker threads (bounds the I/O requests in flight).
         segment_nbytes: largest size of a segment file (header included).
@@ -135,8 +137,8 @@ class NVMeTier:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"NVMeTier {name} must be an int >= {low}, got {value!r}")
-        if io_backend not in ("auto", "posix", "kvikio"):
-            raise ConfigError(f"io_backend must be auto, posix or kvikio, got {io_backend!r}")
+        if io_backend not in ("auto", "posix", "kvikio", "aio"):
+            raise ConfigError(f"io_backend must be auto, posix, kvikio or aio, got {io_backend!r}")
         if direct_io not in ("auto", "on", "off"):
             raise ConfigError(f"direct_io must be auto, on or off, got {direct_io!r}")
         self._group_nbytes = {int(g): int(n) for g, n in sorted(group_nbytes.items())}
@@ -180,6 +182,8 @@ class NVMeTier:
         self._ahead_paused: set[int] = set()  # groups whose last growth ahead failed
         self._state = "new"
         self._row_io: RowIO | None = None
+        self._aio: SubmittingRowIO | None = None  # row requests are queued through it
+        self._backend: RowIO | None = None  # the unwrapped backend
         self._executor: ThreadPoolExecutor | None = None
         self._checksum_executor: ThreadPoolExecutor | None = None
         self._meta_executor: ThreadPoolExecutor | None = None
@@ -315,10 +319,14 @@ class NVMeTier:
                 self._keep_lock_fd,
             )
             (inner,) = await self._run_kept(
-                select_backend, [(io_backend, direct_io, self.directory)], _keep_nothing
+                select_backend,
+                [(io_backend, direct_io, self.directory, 4 * io_threads)],
+                self._keep_backend,
             )
             self._counts["direct_io_fallback"] = int(direct_io == "auto" and not inner.direct)
             self._row_io = wrapper(inner) if wrapper is not None else inner
+            if isinstance(self._row_io, SubmittingRowIO):
+                self._aio = self._row_io  # a wrapper without submit_* gets blocking calls
             await _batches.scan(self)
         except BaseException:
             await self._release()
@@ -330,10 +338,13 @@ class NVMeTier:
 
     async def _release(self) -> None:
         row_io, segments, lock_fd = self._row_io, list(self._segments.values()), self._lock_fd
+        backend, self._backend, self._aio = self._backend, None, None
         self._segments.clear()
         self._lock_fd = None
 
         def release() -> None:
+            if isinstance(backend, AioRowIO):
+                backend.shutdown()  # waits for its requests (the tier's tasks have ended)
             for seg in segments:
                 with contextlib.suppress(OSError):
                     assert row_io is not None
@@ -350,6 +361,9 @@ class NVMeTier:
 
     def _keep_lock_fd(self, _: int, fd: int) -> None:
         self._lock_fd = fd
+
+    def _keep_backend(self, _: int, backend: RowIO) -> None:
+        self._backend = backend  # its AIO context (if any) is freed by _release
 
     async def close(self) -> None:
         """Wait for in-flight I/O, fdatasync written segments, close files, release the lock.
@@ -591,10 +605,6 @@ class NVMeTier:
         """
         while self._tasks:
             await asyncio.wait(list(self._tasks))
-
-
-def _keep_nothing(_: int, __: object) -> None:
-    pass
 
 
 async def _settle(futures: Sequence[asyncio.Future[Any]]) -> None:

@@ -117,6 +117,23 @@ def test_inspect_of_a_folder_without_namespaces_says_so(tmp_path: Path) -> None:
     assert "some-folder" not in res.stdout
 
 
+def test_bench_on_the_aio_backend_verifies_every_byte(tmp_path: Path) -> None:
+    from kvtier.io._aio import aio_supported
+
+    if not aio_supported():
+        pytest.skip("no Linux AIO context here")
+    out = tmp_path / "bench.json"
+    res = kvtier(
+        "bench", "--io-backend", "aio", "--direct-io", "on", "--size", "24M", "--repeat", "1",
+        "--json", str(out), cwd=tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["io"]["backend"] == "AioRowIO"
+    assert result["io"]["verified_repeats"] == 1  # store -> NVMe -> load compared bitwise
+    assert result["phases"]["nvme_write"]["ratio_vs_raw_sequential"] > 0
+
+
 def test_bench_without_nvme_reports_no_nvme_figures(tmp_path: Path) -> None:
     res = kvtier("bench", "--no-nvme", "--size", "16M", "--repeat", "1", cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]

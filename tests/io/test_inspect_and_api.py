@@ -22,6 +22,7 @@ from .conftest import GROUP_NBYTES, key, payload, tier_kwargs
 def test_all_is_sorted_and_complete() -> None:
     assert kvtier.io.__all__ == sorted(kvtier.io.__all__)
     assert set(kvtier.io.__all__) == {
+        "AioRowIO",
         "FORMAT_VERSION",
         "KvikioRowIO",
         "NVMeTier",

@@ -5,12 +5,14 @@ from __future__ import annotations
 import mmap
 import os
 import pathlib
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pytest
 
 from kvtier.errors import AlignmentError, StorageError
-from kvtier.io import KvikioRowIO, NVMeTier, PosixRowIO, RowIO
+from kvtier.io import AioRowIO, KvikioRowIO, NVMeTier, PosixRowIO, RowIO
+from kvtier.io._aio import aio_supported
 from kvtier.io._rowio import kvikio_available
 
 from .conftest import GROUP_NBYTES, key, payload, tier_kwargs
@@ -160,6 +162,24 @@ class TestPosixBuffered(RowIOConformance):
 
     def make(self) -> RowIO:
         return PosixRowIO(direct=False)
+
+
+class TestAio(RowIOConformance):
+    """The blocking methods of the ``aio`` backend (its queued ones: test_aio.py)."""
+
+    tier_options: ClassVar[dict[str, Any]] = {"io_backend": "aio", "direct_io": "on"}
+
+    def make(self) -> RowIO:
+        if not aio_supported():
+            pytest.skip("no Linux AIO context here")
+        return AioRowIO(depth=4)
+
+    @pytest.fixture
+    def row_io(self) -> Iterator[RowIO]:
+        io = self.make()
+        yield io
+        assert isinstance(io, AioRowIO)
+        io.shutdown()
 
 
 @pytest.mark.gpu
