@@ -9,7 +9,7 @@ from kvtier.io._inspect import inspect_root
 from kvtier.io._rowio import AioRowIO, KvikioRowIO, PosixRowIO, RowIO, select_backend
 from kvtier.io._tier import NVMeTier
 
-__all__ = [
+__all__ = [  # noqa: RUF022 - plain sorted() order, checked by a test
     "AioRowIO",
     "FORMAT_VERSION",
     "KvikioRowIO",

@@ -132,13 +132,15 @@ class AioContext:
 
         Returns:
             A future of the bytes transferred (short counts are returned,
-            not raised), or of an ``OSError`` with the request's errno.
+            not raised), or of an ``OSError`` with the request's errno. It
+            is already running: ``cancel()`` returns False.
 
         Raises:
             RuntimeError: the context is closed.
 
         """
         fut: concurrent.futures.Future[int] = concurrent.futures.Future()
+        fut.set_running_or_notify_cancel()  # a request in the kernel cannot be cancelled
         iov = (_Iovec * len(bufs))(
             *[_Iovec(ctypes.addressof(ctypes.c_char.from_buffer(b)), b.nbytes) for b in bufs]
         )
@@ -180,21 +182,34 @@ class AioContext:
                     return
             n = _syscall(self._nr[2], self._ctx, 1, self.depth, events, timeout)
             if n <= 0:
-                continue  # timeout or EINTR
+                self._pump()  # timeout or EINTR
+                continue
             with self._lock:
                 done = [(self._pending.pop(events[i].data)[0], events[i].res) for i in range(n)]
                 self._inflight -= n
-                refill = []
-                while self._queued and self._inflight < self.depth:
-                    refill.append(self._queued.popleft())
-                    self._inflight += 1
-            for cb in refill:
-                self._submit(cb)
+            self._pump()
             for fut, res in done:
-                if res < 0:
-                    fut.set_exception(OSError(-res, os.strerror(-res)))
-                else:
-                    fut.set_result(res)
+                try:
+                    if res < 0:
+                        fut.set_exception(OSError(-res, os.strerror(-res)))
+                    else:
+                        fut.set_result(res)
+                except concurrent.futures.InvalidStateError:  # never let one kill the reaper
+                    pass
+
+    def _pump(self) -> None:
+        """Submit queued requests while fewer than ``depth`` are in the kernel.
+
+        A request whose ``io_submit`` fails (e.g. ``EBADF``) frees its place
+        at once, so the loop goes on with the next one.
+        """
+        while True:
+            with self._lock:
+                if not self._queued or self._inflight >= self.depth:
+                    return
+                cb = self._queued.popleft()
+                self._inflight += 1
+            self._submit(cb)
 
     def close(self) -> None:
         """Refuse new requests, wait for the queued ones to end, destroy the context (blocks)."""

@@ -10,6 +10,7 @@ the tier's executor through ``tier._run``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
@@ -218,11 +219,25 @@ async def _write_run(tier: NVMeTier, run: list[WriteJob]) -> tuple[int, BaseExce
     if tier._aio is not None:  # queued in the kernel: no worker thread, no GIL to wait for
         try:
             fut = tier._aio.submit_pwritev(handle, [j.buf for j in run], spec.row_offset(ref.row))
-            return await asyncio.wrap_future(fut), None
+            return await _request_done(fut), None
         except Exception as err:
             return 0, err
     n, exc, _ = await tier._run(_files.write_run, tier._row_io, handle, spec, run)
     return n, exc
+
+
+async def _request_done(fut: concurrent.futures.Future[int]) -> int:
+    """Await a queued request; if cancelled, return only once the kernel is done with it.
+
+    The request's buffers are slots: a task that gave up while the kernel
+    still reads or writes them would let the slot be reused under the I/O.
+    """
+    waiter = asyncio.wrap_future(fut)
+    try:
+        return await asyncio.shield(waiter)
+    except asyncio.CancelledError:
+        await asyncio.wait([waiter])
+        raise
 
 
 def grow_ahead(tier: NVMeTier, group_id: int) -> None:
@@ -383,7 +398,7 @@ async def _read_run(tier: NVMeTier, run: list[ReadJob]) -> list[StorageError | N
     if tier._aio is not None:
         try:
             fut = tier._aio.submit_preadv(handle, [j.buf for j in run], spec.row_offset(ref.row))
-            nbytes = await asyncio.wrap_future(fut)
+            nbytes = await _request_done(fut)
         except Exception as err:
             nbytes = _files.read_failure(err)
     else:

@@ -120,6 +120,19 @@ class SubmittingRowIO(RowIO, Protocol):
         ...
 
 
+def submits(row_io: object) -> bool:
+    """Whether ``row_io``'s class defines ``submit_pwritev`` and ``submit_preadv``.
+
+    Looked up on the class: a wrapper that forwards unknown attributes to the
+    backend (``__getattr__``) is not taken for a submitting one, so its own
+    ``preadv``/``pwritev`` still see every row request.
+    """
+    cls = type(row_io)
+    return callable(getattr(cls, "submit_pwritev", None)) and callable(
+        getattr(cls, "submit_preadv", None)
+    )
+
+
 def _check_request(bufs: Sequence[memoryview], file_offset: int) -> None:
     offset = file_offset
     for buf in bufs:

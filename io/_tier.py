@@ -10,7 +10,7 @@ import pathlib
 import re
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from kvtier._types import OffloadKey
 from kvtier.errors import (
@@ -32,7 +32,14 @@ from kvtier.io._format import (
     format_fields,
 )
 from kvtier.io._index import RowIndex
-from kvtier.io._rowio import IOV_MAX, AioRowIO, RowIO, SubmittingRowIO, select_backend
+from kvtier.io._rowio import (
+    IOV_MAX,
+    AioRowIO,
+    RowIO,
+    SubmittingRowIO,
+    select_backend,
+    submits,
+)
 
 __all__ = ["FAILURE_KINDS", "NVMeTier"]
 
@@ -325,8 +332,8 @@ class NVMeTier:
             )
             self._counts["direct_io_fallback"] = int(direct_io == "auto" and not inner.direct)
             self._row_io = wrapper(inner) if wrapper is not None else inner
-            if isinstance(self._row_io, SubmittingRowIO):
-                self._aio = self._row_io  # a wrapper without submit_* gets blocking calls
+            if submits(self._row_io):  # a wrapper without submit_* gets blocking calls
+                self._aio = cast("SubmittingRowIO", self._row_io)
             await _batches.scan(self)
         except BaseException:
             await self._release()

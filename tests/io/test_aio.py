@@ -303,3 +303,30 @@ async def test_aio_request_faults_fail_only_the_rows_they_touch(aio_dir, slots) 
         )
     finally:
         await tier.close()
+
+
+def test_requests_queued_behind_failing_submissions_still_end(aio_dir: pathlib.Path) -> None:
+    # depth 1: a good write is in the kernel, five requests on a closed
+    # descriptor wait behind it. When it ends, the queued ones must be submitted
+    # (and fail) one after the other, not wait for a completion that never
+    # comes; close() must then return.
+    ctx = AioContext(1)
+    good = os.open(aio_dir / "good", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+    bad = os.open(aio_dir / "bad", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+    os.close(bad)
+    try:
+        big, small = _buf(64 << 20), [_buf(4096) for _ in range(5)]
+        first = ctx.submit(True, good, [big], 0)  # tens of ms in the kernel
+        futs = [ctx.submit(True, bad, [b], i * 4096) for i, b in enumerate(small)]
+        assert first.result(timeout=5) == 64 << 20
+        for f in futs:
+            with pytest.raises(OSError) as info:
+                f.result(timeout=5)
+            assert info.value.errno == errno.EBADF
+        done = threading.Event()
+        closer = threading.Thread(target=lambda: (ctx.close(), done.set()))
+        closer.start()
+        assert done.wait(timeout=5), "close() hung on requests that had already failed"
+        closer.join()
+    finally:
+        os.close(good)
