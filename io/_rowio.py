@@ -34,6 +34,9 @@ __all__ = [
 
 log = logging.getLogger("kvtier.io")
 
+IO_BACKENDS = ("auto", "posix", "kvikio", "aio")
+"""The values of ``io_backend`` (:func:`select_backend`)."""
+
 IOV_MAX = 1024
 """Most iovecs one ``preadv``/``pwritev`` call may take on Linux."""
 
@@ -98,13 +101,13 @@ class RowIO(Protocol):
         ...
 
 
-@runtime_checkable
 class SubmittingRowIO(RowIO, Protocol):
     """A :class:`RowIO` that can also queue row requests and return at once (``"aio"``).
 
-    The tier sends row reads and writes through these methods when the
-    backend (or the ``row_io_wrapper`` around it) has them; everything else
-    uses the blocking methods on worker threads.
+    The tier sends row reads and writes through these methods when the class
+    of the backend (or of the ``row_io_wrapper`` around it) defines them
+    (:func:`submits`); everything else uses the blocking methods on worker
+    threads.
     """
 
     def submit_pwritev(
@@ -422,7 +425,7 @@ def select_backend(
             ``io_backend="aio"`` without O_DIRECT or a Linux AIO context.
 
     """
-    if io_backend not in ("auto", "posix", "kvikio", "aio"):
+    if io_backend not in IO_BACKENDS:
         raise ConfigError(f"io_backend must be auto, posix, kvikio or aio, got {io_backend!r}")
     if direct_io not in ("auto", "on", "off"):
         raise ConfigError(f"direct_io must be auto, on or off, got {direct_io!r}")

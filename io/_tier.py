@@ -33,6 +33,7 @@ from kvtier.io._format import (
 )
 from kvtier.io._index import RowIndex
 from kvtier.io._rowio import (
+    IO_BACKENDS,
     IOV_MAX,
     AioRowIO,
     RowIO,
@@ -144,7 +145,7 @@ class NVMeTier:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"NVMeTier {name} must be an int >= {low}, got {value!r}")
-        if io_backend not in ("auto", "posix", "kvikio", "aio"):
+        if io_backend not in IO_BACKENDS:
             raise ConfigError(f"io_backend must be auto, posix, kvikio or aio, got {io_backend!r}")
         if direct_io not in ("auto", "on", "off"):
             raise ConfigError(f"direct_io must be auto, on or off, got {direct_io!r}")
