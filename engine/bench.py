@@ -230,18 +230,31 @@ class _Baselines:
             f.result()
         return time.perf_counter() - t0
 
-    def _aio_all(self, submit: Callable[..., Any], h: int, nreq: int) -> None:
-        """Queue every request of a raw pass on the AIO context (its depth bounds them), wait."""
-        futs = []
-        for i in range(nreq):
-            n = min(self.req, self.total - i * self.req)
-            futs.append((n, submit(h, [self._mv(i * self.req, n)], i * self.req)))
-        for n, fut in futs:
-            assert fut.result() == n
+    def _sequential(self, h: Any, write: bool) -> float:
+        """One pass of ``req``-byte requests over the file (I/O threads, or the AIO context)."""
+        offsets = range(0, self.total, self.req)
+        t0 = time.perf_counter()
+        if isinstance(self.io, AioRowIO):  # the same requests, queued in the kernel
+            submit = self.io.submit_pwritev if write else self.io.submit_preadv
+            futs = []
+            for off in offsets:
+                n = min(self.req, self.total - off)
+                futs.append((n, submit(h, [self._mv(off, n)], off)))
+            for n, fut in futs:
+                assert fut.result() == n
+        else:
+            op = self.io.pwritev if write else self.io.preadv
+
+            def one(worker: int, i: int) -> None:
+                off = offsets[i]
+                n = min(self.req, self.total - off)
+                assert op(h, [self._mv(off, n)], off) == n
+
+            self._parallel(one, len(offsets))
+        return time.perf_counter() - t0
 
     def raw_write(self) -> float:
         path = os.path.join(self.root, "raw.bin")
-        nreq = -(-self.total // self.req)
         # A fresh file every repeat, like kvtier's fresh tier: overwriting blocks
         # that an earlier repeat already wrote would skip the allocation work.
         with contextlib.suppress(FileNotFoundError):
@@ -249,15 +262,7 @@ class _Baselines:
         t0 = time.perf_counter()  # file creation counts, as it does for kvtier's segments
         h = self.io.open(path, True)
         self.io.allocate(h, self.total)
-
-        def one(worker: int, i: int) -> None:
-            n = min(self.req, self.total - i * self.req)
-            assert self.io.pwritev(h, [self._mv(i * self.req, n)], i * self.req) == n
-
-        if isinstance(self.io, AioRowIO):  # the same requests, queued in the kernel
-            self._aio_all(self.io.submit_pwritev, h, nreq)
-        else:
-            self._parallel(one, nreq)
+        self._sequential(h, write=True)
         self.io.fdatasync(h)
         dt = time.perf_counter() - t0
         self.io.close(h)
@@ -267,18 +272,7 @@ class _Baselines:
         path = os.path.join(self.root, "raw.bin")
         _drop_cache(path, self.io.direct)
         h = self.io.open(path, False)
-        nreq = -(-self.total // self.req)
-
-        def one(worker: int, i: int) -> None:
-            n = min(self.req, self.total - i * self.req)
-            assert self.io.preadv(h, [self._mv(i * self.req, n)], i * self.req) == n
-
-        if isinstance(self.io, AioRowIO):
-            t0 = time.perf_counter()
-            self._aio_all(self.io.submit_preadv, h, nreq)
-            dt = time.perf_counter() - t0
-        else:
-            dt = self._parallel(one, nreq)
+        dt = self._sequential(h, write=False)
         self.io.close(h)
         return dt
 
