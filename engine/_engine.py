@@ -355,6 +355,8 @@ class TransferEngine:
         if self._nvme is not None:
             await self._nvme.close()
             self._nvme = None
+        if self._writer is not None:
+            self._writer.detach()
         for ex in self._executors.values():
             ex.close()
         self._executors = {}

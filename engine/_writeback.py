@@ -272,6 +272,16 @@ class NVMeWriter:
         if failed:
             raise NotDurableError(failed, result)
 
+    def detach(self) -> None:
+        """Drop the back-reference to the engine once it is closed.
+
+        The engine and its writer refer to each other; without this, a closed
+        pair (with every slot entry and row index entry behind it) could only
+        be freed by a full cyclic garbage collection, which pauses the whole
+        process (about 80 ms with torch imported). Counters stay readable.
+        """
+        self._engine = None  # type: ignore[assignment]
+
     @property
     def busy(self) -> bool:
         """Whether rows are queued or being written."""
