@@ -109,6 +109,12 @@ def main() -> None:
 )
 @click.option("--no-nvme", is_flag=True, help="Copy phases only.")
 @click.option(
+    "--gc-freeze/--no-gc-freeze",
+    default=True,
+    show_default=True,
+    help="Freeze the set-up heap before the phases (gc.freeze(), as vLLM does after start-up).",
+)
+@click.option(
     "--json", "json_path", default=None, help="Write every figure, machine and config here."
 )
 @click.option(
@@ -146,6 +152,7 @@ def bench(**kw: Any) -> None:
         root=kw["root"],
         block_order=kw["block_order"],
         nvme=not kw["no_nvme"],
+        gc_freeze=kw["gc_freeze"],
     )
     console = Console(stderr=True)
     with console.status("kvtier bench") as status:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -67,6 +68,8 @@ def test_bench_tiny_size_reports_every_phase_and_cleans_up(tmp_path: Path, layou
     assert phases["nvme_read"]["ratio_vs_file_per_chunk"] > 0
     assert result["io"]["verified_repeats"] == 1
     assert result["io"]["tmpdir_removed"] is True
+    assert result["config"]["gc_freeze"] is True
+    assert result["gc_frozen_objects"] > 10_000  # torch alone leaves ~165k objects
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p for p in tmp_path.iterdir() if p.name.startswith("kvtier-bench-")] == []
 
@@ -83,11 +86,34 @@ def test_bench_json_layout_file(tmp_path: Path) -> None:
     }
     path = tmp_path / "layout.json"
     path.write_text(json.dumps(spec))
+    out = tmp_path / "bench.json"
     res = kvtier(
-        "bench", "--layout", str(path), "--size", "4M", "--repeat", "1", "--no-nvme", cwd=tmp_path
-    )
+        "bench", "--layout", str(path), "--size", "4M", "--repeat", "1", "--no-nvme",
+        "--no-gc-freeze", "--json", str(out), cwd=tmp_path,
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     assert "custom" in res.stdout
+    result = json.loads(out.read_text())
+    assert result["config"]["gc_freeze"] is False
+    assert result["gc_frozen_objects"] == 0
+
+
+async def test_run_bench_freezes_its_set_up_heap_only_for_the_phases() -> None:
+    from kvtier.bench import BenchConfig, run_bench
+
+    cfg = BenchConfig(size_bytes=2 << 20, repeat=1, nvme=False, device="cpu")
+    assert gc.get_freeze_count() == 0
+    result = await run_bench(cfg)
+    assert result["gc_frozen_objects"] > 10_000
+    assert gc.get_freeze_count() == 0  # unfrozen again
+    gc.freeze()  # a caller that froze its heap itself: left as it is
+    try:
+        frozen = gc.get_freeze_count()
+        result = await run_bench(cfg)
+        assert result["gc_frozen_objects"] == frozen
+        assert gc.get_freeze_count() > frozen // 2  # still frozen (less what has died since)
+    finally:
+        gc.unfreeze()
 
 
 def test_bench_rejects_bad_options(tmp_path: Path) -> None:
