@@ -7,6 +7,7 @@ for all three everywhere, which is a multiple of every common block size.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from typing import TYPE_CHECKING
 
@@ -83,9 +84,16 @@ def buffer_address(buf: memoryview | torch.Tensor) -> int:
         TypeError: ``buf`` supports no buffer protocol and is no tensor.
 
     """
-    data_ptr = getattr(buf, "data_ptr", None)
-    if data_ptr is not None and not isinstance(buf, memoryview):
-        return int(data_ptr())
+    if isinstance(buf, memoryview):
+        if not buf.readonly and buf.nbytes:
+            # Fast path (0.2 us instead of 0.9 us; two calls per row written):
+            # ctypes takes writable buffers only, at least one byte long.
+            with contextlib.suppress(TypeError, ValueError, BufferError):
+                return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    else:
+        data_ptr = getattr(buf, "data_ptr", None)
+        if data_ptr is not None:
+            return int(data_ptr())
     view = _PyBuffer()
     _get_buffer(buf, ctypes.byref(view), 0)  # PyBUF_SIMPLE: contiguous bytes
     try:

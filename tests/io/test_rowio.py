@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pytest
+import torch
 
 from kvtier.errors import AlignmentError, StorageError
 from kvtier.io import AioRowIO, KvikioRowIO, NVMeTier, PosixRowIO, RowIO
@@ -190,3 +191,29 @@ class TestKvikio(RowIOConformance):
         if not kvikio_available():
             pytest.skip("kvikio or a CUDA driver is not available")
         return KvikioRowIO()
+
+
+def test_buffer_address_matches_numpy_for_every_kind_of_buffer() -> None:
+    """Writable views take ctypes' fast path; read-only, empty and tensor buffers the others."""
+    import numpy as np
+
+    from kvtier.io._align import buffer_address
+
+    region = mmap.mmap(-1, 1 << 16)
+    whole = memoryview(region)
+    try:
+        base = np.frombuffer(whole, dtype=np.uint8).__array_interface__["data"][0]
+        for lo, hi in ((0, 4096), (4096, 12288), (123, 4000)):
+            assert buffer_address(whole[lo:hi]) == base + lo  # writable: ctypes
+            assert buffer_address(whole[lo:hi].toreadonly()) == base + lo  # Py_buffer
+        assert buffer_address(whole[8:8]) == base + 8  # empty: no ctypes object fits
+        assert buffer_address(whole.cast("I")[2:]) == base + 8
+        data = bytes(64)
+        assert buffer_address(data) == np.frombuffer(data, np.uint8).__array_interface__["data"][0]
+        t = torch.zeros(16, dtype=torch.uint8)
+        assert buffer_address(t) == t.data_ptr()
+        with pytest.raises(BufferError):
+            buffer_address(whole[::2])  # not contiguous
+    finally:
+        whole.release()
+        region.close()
