@@ -13,6 +13,7 @@ from kvtier._types import (
     LoadResult,
     Medium,
     OffloadKey,
+    PrefetchResult,
     Residency,
     StoreResult,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "Medium",
     "NVMeConfig",
     "OffloadKey",
+    "PrefetchResult",
     "Residency",
     "StoreResult",
     "TransferEngine",

@@ -12,7 +12,15 @@ from typing import Any, Self, TypeVar
 
 from kvtier._config import EngineConfig
 from kvtier._engine import TransferEngine
-from kvtier._types import Chunk, EngineStats, LoadResult, OffloadKey, Residency, StoreResult
+from kvtier._types import (
+    Chunk,
+    EngineStats,
+    LoadResult,
+    OffloadKey,
+    PrefetchResult,
+    Residency,
+    StoreResult,
+)
 from kvtier.errors import EngineClosedError
 from kvtier.layout import KVLayout
 
@@ -32,7 +40,7 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 class BackgroundEngine:
     """The same engine on a private uvloop thread, for synchronous serving loops.
 
-    ``store``, ``load`` and ``flush`` return :class:`concurrent.futures.Future`
+    ``store``, ``load``, ``prefetch`` and ``flush`` return :class:`concurrent.futures.Future`
     objects (call ``.result()`` to block); ``lookup``, ``prefix_hits`` and
     ``stats`` return their values directly (they run on the engine thread).
 
@@ -110,6 +118,10 @@ class BackgroundEngine:
     def load(self, chunks: Sequence[Chunk]) -> concurrent.futures.Future[LoadResult]:
         """:meth:`TransferEngine.load` on the engine thread; returns a Future."""
         return self._submit(self.engine.load(chunks))
+
+    def prefetch(self, keys: Sequence[OffloadKey]) -> concurrent.futures.Future[PrefetchResult]:
+        """:meth:`TransferEngine.prefetch` on the engine thread; returns a Future."""
+        return self._submit(self.engine.prefetch(keys))
 
     def cancel(self, future: concurrent.futures.Future[Any], timeout: float | None = None) -> bool:
         """Cancel a Future of this engine and wait until its call has ended on the engine thread.

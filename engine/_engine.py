@@ -21,6 +21,7 @@ from kvtier._types import (
     EngineStats,
     LoadResult,
     OffloadKey,
+    PrefetchResult,
     Residency,
     StoreResult,
 )
@@ -123,6 +124,10 @@ def _finish_calls(calls: Sequence[_Call], errors: Sequence[BaseException | None]
             call.done(error)
         except Exception:
             log.exception("kvtier: finishing a call failed")
+
+
+def _on_no_medium(key: OffloadKey) -> KeyNotResidentError:
+    return KeyNotResidentError(f"{key} is on no medium (evicted or never stored)")
 
 
 def _not_stored(chunk: Chunk, stored: tuple[int, int]) -> NotStoredError | None:
@@ -785,6 +790,83 @@ class TransferEngine:
             result.failed.update(not_stored)
         return result
 
+    async def prefetch(self, keys: Sequence[OffloadKey]) -> PrefetchResult:
+        """Promote keys that are only on NVMe into CPU slots, ahead of their load.
+
+        A serving loop calls it when it schedules a request whose prefix is
+        on NVMe, so that the later :meth:`load` is a CPU hit and copies only
+        CPU -> GPU. No GPU memory is touched. Each row is read, verified
+        (trailer and checksum) and left in an unpinned slot, evictable like
+        any stored key; a failed read drops the row (the key is a MISS
+        afterwards, as after a failed load). Keys whose store or promotion is
+        in flight are waited for. Promotions of one call go out as coalesced
+        runs of consecutive rows, like a load's.
+
+        Hits and misses are not counted (they count loads); promotions and
+        their failures are (``EngineStats.nvme``: ``promotions``,
+        ``promotion_failures``; ``failures`` by kind).
+
+        Cancellation: reads already started complete and their keys stay
+        resident; the result is lost.
+
+        Args:
+            keys: offload keys, no key twice. Without an NVMe tier every key
+                is resident or failed.
+
+        Returns:
+            :class:`PrefetchResult` (``promoted``, ``resident``, ``failed``).
+
+        Raises:
+            InvalidArgumentError: ``keys`` is not a sequence of
+                :class:`OffloadKey`; ``DuplicateKeyError`` for a key twice,
+                ``UnknownGroupError`` for a group the layout does not have.
+                Nothing changed.
+            EngineClosedError: the engine is not open.
+
+        """
+        self._check_open()
+        if isinstance(keys, OffloadKey | str | bytes) or not isinstance(keys, Sequence):
+            raise InvalidArgumentError(
+                f"keys must be a sequence of kvtier.OffloadKey, got {type(keys).__name__}"
+            )
+        seen: set[OffloadKey] = set()
+        for key in keys:
+            if not isinstance(key, OffloadKey):
+                raise InvalidArgumentError(f"expected kvtier.OffloadKey, got {type(key).__name__}")
+            self.layout.group(key.group_id)  # raises UnknownGroupError
+            if key in seen:
+                raise DuplicateKeyError(f"{key} appears twice in one call")
+            seen.add(key)
+        task = asyncio.ensure_future(self._prefetch(list(keys)))
+        self._track(task)
+        return await asyncio.shield(task)
+
+    async def _prefetch(self, keys: list[OffloadKey]) -> PrefetchResult:
+        for _ in range(_MAX_WAIT_ROUNDS):  # stores and promotions in flight, as in _load
+            waits = {self._ready[k] for k in keys if k in self._ready}
+            if not waits:
+                break
+            await asyncio.wait(waits)
+        resident: list[OffloadKey] = []
+        promote: list[OffloadKey] = []
+        failed: dict[OffloadKey, BaseException] = {}
+        for key in keys:
+            entry = self._pool.get(key)
+            if entry is not None and not entry.writing:
+                self._pool.touch(key)
+                resident.append(key)
+            elif entry is None and self._nvme is not None and self._nvme.contains(key):
+                promote.append(key)
+            else:
+                failed[key] = _on_no_medium(key)
+        promoted: list[OffloadKey] = []
+        if promote:
+            promoted, errors = await self._writer.promote(promote, protect=set(keys))
+            failed.update(errors)
+            for key in promoted:
+                self._pool.unpin(key)  # resident and evictable, like a stored key
+        return PrefetchResult(tuple(promoted), tuple(resident), failed)
+
     def _withdraw(self, direction: Direction, call: _Call) -> bool:
         """Take a call out of the pending (not yet started) jobs and finish it as cancelled."""
         pending = self._pending[direction]
@@ -839,9 +921,7 @@ class TransferEngine:
                 promote.append(chunk)
             else:
                 self._c.misses += 1
-                failed[key] = KeyNotResidentError(
-                    f"{key} is on no medium (evicted or never stored)"
-                )
+                failed[key] = _on_no_medium(key)
         return pinned, failed
 
     def _submit_load(self, pinned: list[Chunk], failed: dict[OffloadKey, BaseException]) -> _Load:
@@ -921,14 +1001,15 @@ class TransferEngine:
         promote: list[Chunk] = []
         pinned, failed = self._pin_resident(chunks, promote)
         if promote:
-            ok, errors = await self._writer.promote(promote, protect={c.key for c in chunks})
+            by_key = {c.key: c for c in promote}
+            ok, errors = await self._writer.promote(list(by_key), protect={c.key for c in chunks})
             failed.update(errors)
             for exc in errors.values():  # evicted from NVMe meanwhile: a plain miss
                 if isinstance(exc, KeyNotResidentError):
                     self._c.misses += 1
                 else:
                     self._c.load_failures += 1
-            for chunk in ok:
+            for chunk in (by_key[k] for k in ok):
                 try:
                     self._check_range(chunk)  # a promoted row may hold another range
                 except NotStoredError as exc:

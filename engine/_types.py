@@ -173,6 +173,29 @@ class LoadResult:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefetchResult:
+    """Outcome of :meth:`TransferEngine.prefetch`.
+
+    Attributes:
+        promoted: keys this call read from NVMe into CPU slots (trailer and
+            checksum verified); a load of them is now a CPU hit.
+        resident: keys that were in a CPU slot already, or whose store or
+            promotion by another call was in flight and has completed.
+        failed: keys not in a CPU slot after the call, with the error:
+            :class:`~kvtier.errors.KeyNotResidentError` (on no medium, or
+            evicted from NVMe before its read), a
+            :class:`~kvtier.errors.StorageError` (the read or its checksum
+            failed: the row was dropped, the key is a MISS now), or a
+            :class:`~kvtier.errors.KVTierError` (no free or evictable slot).
+
+    """
+
+    promoted: tuple[OffloadKey, ...] = ()
+    resident: tuple[OffloadKey, ...] = ()
+    failed: dict[OffloadKey, BaseException] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     """A snapshot of engine counters (see :meth:`TransferEngine.stats`).
 

@@ -23,7 +23,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvtier._types import Chunk, OffloadKey
+from kvtier._types import OffloadKey
 from kvtier.errors import (
     KeyNotResidentError,
     KVTierError,
@@ -315,24 +315,22 @@ class NVMeWriter:
 
     # ------------------------------------------------------------------ promotion
     async def promote(
-        self, chunks: list[Chunk], protect: Collection[OffloadKey]
-    ) -> tuple[list[Chunk], dict[OffloadKey, BaseException]]:
-        """Read NVMe-only keys into CPU slots; returns (pinned chunks, failures)."""
+        self, keys: list[OffloadKey], protect: Collection[OffloadKey]
+    ) -> tuple[list[OffloadKey], dict[OffloadKey, BaseException]]:
+        """Read NVMe-only keys into CPU slots; returns (keys promoted and pinned, failures)."""
         engine = self._engine
         pool = engine._pool
         region = engine._region
         assert region is not None
         errors: dict[OffloadKey, BaseException] = {}
         requests = []
-        for chunk in chunks:
-            rng = self._tier.stored_range(chunk.key)
+        for key in keys:
+            rng = self._tier.stored_range(key)
             if rng is None:
-                errors[chunk.key] = KeyNotResidentError(f"{chunk.key} left NVMe before promotion")
+                errors[key] = KeyNotResidentError(f"{key} left NVMe before promotion")
                 continue
-            nbytes = (rng[1] - rng[0]) * engine.layout.group(
-                chunk.key.group_id
-            ).block_payload_nbytes
-            requests.append((chunk.key, rng[0], rng[1], nbytes))
+            nbytes = (rng[1] - rng[0]) * engine.layout.group(key.group_id).block_payload_nbytes
+            requests.append((key, rng[0], rng[1], nbytes))
         entries, rejected, _ = pool.reserve(requests, protect=protect)
         for key in rejected:
             errors[key] = KVTierError(f"{key}: no free or evictable CPU slot for promotion")
@@ -350,8 +348,7 @@ class NVMeWriter:
         finally:
             for view in views:
                 view.release()
-        ok: list[Chunk] = []
-        by_key = {c.key: c for c in chunks}
+        ok: list[OffloadKey] = []
         for entry, res in zip(entries, results, strict=True):
             key = entry.key
             engine._ready.pop(key, None)
@@ -369,7 +366,7 @@ class NVMeWriter:
                 entry.start, entry.stop = res
                 pool.commit(key)
                 pool.pin(key)
-                ok.append(by_key[key])
+                ok.append(key)
                 self.promotions += 1
         ready.set_result(True)
         return ok, errors
