@@ -66,6 +66,8 @@ def test_bench_tiny_size_reports_every_phase_and_cleans_up(tmp_path: Path, layou
         assert phases[name]["pipelined"]["ratio_vs_plain_copy"] > 0
     assert result["config"]["inflight_batches"] == 2
     assert phases["nvme_read"]["ratio_vs_file_per_chunk"] > 0
+    assert phases["nvme_read"]["cold_load"]["ratio_vs_raw_sequential"] > 0
+    assert "cold_load" in res.stdout
     assert result["io"]["verified_repeats"] == 1
     assert result["io"]["tmpdir_removed"] is True
     assert result["config"]["gc_freeze"] is True
