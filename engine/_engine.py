@@ -438,9 +438,15 @@ class TransferEngine:
         return n
 
     # ------------------------------------------------------------------ validation
-    def _validate(self, chunks: Sequence[Chunk], *, load: bool) -> None:
+    def _validate(self, chunks: Sequence[Chunk], *, load: bool) -> list[Chunk]:
+        """Check a call's chunks; return the list that was checked (use that one).
+
+        One snapshot: a sequence that yields other items on a second pass
+        cannot slip a duplicate past the checks.
+        """
         if isinstance(chunks, Chunk | str | bytes) or not isinstance(chunks, Sequence):
             raise InvalidArgumentError("chunks must be a sequence of kvtier.Chunk")
+        chunks = list(chunks)
         seen: set[OffloadKey] = set()
         # load: {group_id: GPU blocks written by this call}
         written: dict[int, set[int]] = {}
@@ -472,6 +478,7 @@ class TransferEngine:
             self._check_aliased_pages(
                 {(g, b) for g, pages in written.items() if self._alias_size[g] > 1 for b in pages}
             )
+        return chunks
 
     def _check_aliased_pages(self, pages: set[tuple[int, int]]) -> None:
         """Raise BlockIdError when pages of groups that share storage overlap in one load.
@@ -543,8 +550,8 @@ class TransferEngine:
         self._check_open()
         if durable and self.config.nvme is None:
             raise ConfigError("store(durable=True) needs an NVMe tier (EngineConfig.nvme)")
-        self._validate(chunks, load=False)
-        prepared = self._prepare_store(list(chunks), durable)
+        chunks = self._validate(chunks, load=False)
+        prepared = self._prepare_store(chunks, durable)
         # Cancelled here, ``prepared.result`` is cancelled too: _store_copied
         # then frees the slots once the copy has ended.
         result = await prepared.result
@@ -754,7 +761,7 @@ class TransferEngine:
 
         """
         self._check_open()
-        self._validate(chunks, load=True)
+        chunks = self._validate(chunks, load=True)
         not_stored: dict[OffloadKey, BaseException] = {}
         for chunk in chunks:
             try:
@@ -762,7 +769,7 @@ class TransferEngine:
             except NotStoredError as exc:
                 not_stored[chunk.key] = exc
                 self._c.misses += 1
-        chunks = [c for c in chunks if c.key not in not_stored] if not_stored else list(chunks)
+        chunks = [c for c in chunks if c.key not in not_stored] if not_stored else chunks
         if not self._must_wait(chunks):
             # Fast path: every key is resident or a miss; no task, and a
             # cancelled caller leaves the unpinning to the copy's completion.
@@ -807,7 +814,8 @@ class TransferEngine:
         ``promotion_failures``; ``failures`` by kind).
 
         Cancellation: reads already started complete and their keys stay
-        resident; the result is lost.
+        resident; reads not started yet (the call was still waiting for a
+        store or promotion in flight) are skipped; the result is lost.
 
         Args:
             keys: offload keys, no key twice. Without an NVMe tier every key
@@ -829,6 +837,7 @@ class TransferEngine:
             raise InvalidArgumentError(
                 f"keys must be a sequence of kvtier.OffloadKey, got {type(keys).__name__}"
             )
+        keys = list(keys)  # one snapshot: checked and used
         seen: set[OffloadKey] = set()
         for key in keys:
             if not isinstance(key, OffloadKey):
@@ -837,22 +846,32 @@ class TransferEngine:
             if key in seen:
                 raise DuplicateKeyError(f"{key} appears twice in one call")
             seen.add(key)
-        task = asyncio.ensure_future(self._prefetch(list(keys)))
+        ctx = _Ctx()
+        task = asyncio.ensure_future(self._prefetch(keys, ctx))
         self._track(task)
-        return await asyncio.shield(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            ctx.cancelled = True  # reads not started yet are skipped
+            raise
 
-    async def _prefetch(self, keys: list[OffloadKey]) -> PrefetchResult:
+    async def _prefetch(self, keys: list[OffloadKey], ctx: _Ctx) -> PrefetchResult:
         for _ in range(_MAX_WAIT_ROUNDS):  # stores and promotions in flight, as in _load
             waits = {self._ready[k] for k in keys if k in self._ready}
-            if not waits:
+            if not waits or ctx.cancelled:
                 break
             await asyncio.wait(waits)
+        if ctx.cancelled:
+            return PrefetchResult()
         resident: list[OffloadKey] = []
         promote: list[OffloadKey] = []
         failed: dict[OffloadKey, BaseException] = {}
         for key in keys:
             entry = self._pool.get(key)
             if entry is not None and not entry.writing:
+                # Pinned for the call: a store or promotion that needs room while
+                # the call's reads run must not evict a key reported resident.
+                self._pool.pin(key)
                 self._pool.touch(key)
                 resident.append(key)
             elif entry is None and self._nvme is not None and self._nvme.contains(key):
@@ -860,10 +879,12 @@ class TransferEngine:
             else:
                 failed[key] = _on_no_medium(key)
         promoted: list[OffloadKey] = []
-        if promote:
-            promoted, errors = await self._writer.promote(promote, protect=set(keys))
-            failed.update(errors)
-            for key in promoted:
+        try:
+            if promote:
+                promoted, errors = await self._writer.promote(promote, protect=set(keys))
+                failed.update(errors)
+        finally:
+            for key in (*resident, *promoted):
                 self._pool.unpin(key)  # resident and evictable, like a stored key
         return PrefetchResult(tuple(promoted), tuple(resident), failed)
 
