@@ -807,7 +807,8 @@ class TransferEngine:
         any stored key; a failed read drops the row (the key is a MISS
         afterwards, as after a failed load). Keys whose store or promotion is
         in flight are waited for. Promotions of one call go out as coalesced
-        runs of consecutive rows, like a load's.
+        runs of consecutive rows, like a load's. The call's keys stay pinned
+        until it returns: a store that needs room meanwhile evicts others.
 
         Hits and misses are not counted (they count loads); promotions and
         their failures are (``EngineStats.nvme``: ``promotions``,

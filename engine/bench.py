@@ -41,7 +41,8 @@ start-up (``vllm/utils/gc_utils.py``, ``freeze_gc_heap``): ``import torch``
 alone leaves ~165k objects that every full cyclic collection would walk,
 pausing the process, kvtier's event loop and I/O threads included, for ~80 ms
 (one such pause in a 0.27 s write phase cost it a third of its speed). The
-baselines allocate no Python objects, so they never trigger a collection.
+raw baselines allocate almost no Python objects and so rarely trigger one;
+file-per-chunk allocates a few per file, as kvtier does per row.
 ``gc_freeze=False`` (``--no-gc-freeze``) measures an unfrozen process.
 """
 
