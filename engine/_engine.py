@@ -383,7 +383,10 @@ class TransferEngine:
 
     def _check_open(self) -> None:
         if self._state != "open":
-            raise EngineClosedError(f"engine is {self._state}; no call is accepted")
+            hint = ""
+            if self._state == "new":
+                hint = " (start it first: `async with engine:` or `await engine.start()`)"
+            raise EngineClosedError(f"engine is {self._state}; no call is accepted{hint}")
 
     # ------------------------------------------------------------------ queries
     def lookup(self, keys: Iterable[OffloadKey]) -> list[Residency]:

@@ -58,9 +58,14 @@ class OffloadKey:
     group_id: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_hash, bytes) or not 1 <= len(self.block_hash) <= 64:
+        if not isinstance(self.block_hash, bytes):
             raise InvalidArgumentError(
-                f"OffloadKey.block_hash must be 1..64 bytes, got {self.block_hash!r:.80}"
+                f"OffloadKey.block_hash must be bytes (e.g. a hash digest), got "
+                f"{type(self.block_hash).__name__} {self.block_hash!r:.80}"
+            )
+        if not 1 <= len(self.block_hash) <= 64:
+            raise InvalidArgumentError(
+                f"OffloadKey.block_hash must be 1..64 bytes long, got {len(self.block_hash)}"
             )
         if isinstance(self.group_id, bool) or not isinstance(self.group_id, int):
             raise InvalidArgumentError(f"OffloadKey.group_id must be int, got {self.group_id!r}")

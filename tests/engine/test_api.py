@@ -375,3 +375,21 @@ async def test_durable_store_without_nvme_is_a_config_error_and_changes_nothing(
         assert engine.lookup([key("d", 0)]) == [kvtier.Residency.MISS]
         assert engine.stats() == before
         await engine.flush()  # nothing is durable without NVMe: returns at once
+
+
+def test_error_messages_name_the_actual_mistake() -> None:
+    with pytest.raises(errors.InvalidArgumentError, match=r"must be bytes.*got str"):
+        kvtier.OffloadKey("abc", 0)  # type: ignore[arg-type]
+    with pytest.raises(errors.InvalidArgumentError, match=r"1\.\.64 bytes long, got 65"):
+        kvtier.OffloadKey(bytes(65), 0)
+
+
+async def test_a_call_before_start_says_how_to_start() -> None:
+    layout, _, _ = _layout()
+    engine = kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 2))
+    with pytest.raises(kvtier.EngineClosedError, match=r"engine is new.*async with engine"):
+        engine.lookup([kvtier.OffloadKey(b"k", 0)])
+    async with engine:
+        pass
+    with pytest.raises(kvtier.EngineClosedError, match=r"engine is closed; no call is accepted$"):
+        engine.lookup([kvtier.OffloadKey(b"k", 0)])
