@@ -968,7 +968,8 @@ class TransferEngine:
                     loaded.append(chunk.key)
                 else:
                     failed[chunk.key] = error
-                    self._c.load_failures += 1
+                    if not isinstance(error, asyncio.CancelledError):  # withdrawn: not a failure
+                        self._c.load_failures += 1
             if not result.done():
                 result.set_result(LoadResult(tuple(loaded), failed))
             finished.set_result(None)
@@ -1046,11 +1047,10 @@ class TransferEngine:
                     self._c.nvme_hits += 1
         if not pinned:
             return LoadResult((), failed)
-        if ctx.cancelled:  # the caller is gone: copy nothing
+        if ctx.cancelled:  # the caller is gone: copy nothing (not a load failure)
             for chunk in pinned:
                 self._pool.unpin(chunk.key)
                 failed[chunk.key] = asyncio.CancelledError()
-                self._c.load_failures += 1
             return LoadResult((), failed)
         pending = self._submit_load(pinned, failed)
         await pending.finished

@@ -237,7 +237,7 @@ class EngineStats:
         load_bytes: payload bytes copied CPU -> device (``load_seconds``).
         store_jobs: copy jobs run per direction (``load_jobs`` likewise).
         load_failures: keys a load failed after finding them (copy or
-            promotion errors).
+            promotion errors; a cancelled load counts none).
         pinned_memory: the pool is page-locked (CUDA hosts).
     """
 

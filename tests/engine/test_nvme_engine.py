@@ -13,6 +13,7 @@ import time
 import weakref
 from pathlib import Path
 
+import pytest
 import torch
 
 import kvtier
@@ -411,3 +412,42 @@ async def test_closed_engine_is_freed_without_a_cyclic_garbage_collection(tmp_pa
         assert writer() is None
     finally:
         gc.enable()
+
+
+async def test_a_load_cancelled_during_its_promotion_counts_no_failure(tmp_path: Path) -> None:
+    """Cancelled while a key is promoted: nothing is copied, and the pinned keys are
+    released without being counted as load failures (a cancellation is not one)."""
+    t = torch.empty((16, 8192), dtype=torch.uint8)
+    fill_random(t, 31)
+    layout = kvtier.KVLayout.from_tensors({0: {"a": t}})
+    holder: list[_SlowReads] = []
+    nv = kvtier.NVMeConfig(
+        root=tmp_path,
+        capacity_bytes=16 << 20,
+        namespace="cancel",
+        segment_nbytes=1 << 20,
+        row_io_wrapper=lambda inner: holder.append(_SlowReads(inner)) or holder[-1],
+    )
+    cfg = kvtier.EngineConfig(1 << 20, 2, nvme=nv)
+    k_nvme, k_cpu = key("on-nvme", 0), key("in-cpu", 0)
+    async with kvtier.TransferEngine(layout, cfg) as engine:
+        await engine.store([kvtier.Chunk(k_nvme, [0, 1])], durable=True)
+    async with kvtier.TransferEngine(layout, cfg) as engine:
+        await engine.store([kvtier.Chunk(k_cpu, [2, 3])])
+        holder[-1].slow.set()
+        t[8:12] = 7
+        load = asyncio.ensure_future(
+            engine.load([kvtier.Chunk(k_cpu, [8, 9]), kvtier.Chunk(k_nvme, [10, 11])])
+        )
+        await asyncio.sleep(0.03)  # k_cpu pinned, k_nvme's read in flight
+        assert engine.lookup([k_nvme]) == [kvtier.Residency.PENDING]
+        load.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await load
+        stats = engine.stats()
+        assert stats.hits == 1  # k_cpu was found
+        assert stats.load_failures == 0
+        assert stats.failures == {}
+        assert stats.slots_pinned == 0
+        assert engine.lookup([k_cpu, k_nvme]) == [kvtier.Residency.CPU] * 2
+    assert int((t[8:12] != 7).count_nonzero()) == 0  # no block received bytes
