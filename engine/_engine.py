@@ -219,6 +219,7 @@ class TransferEngine:
         self._close_task: asyncio.Task[None] | None = None
         self._c = _Counters()
         self._nvme: Any = None
+        self._nvme_final: dict[str, Any] | None = None  # the tier's last counters once closed
         self._writer: Any = None
 
     @staticmethod
@@ -357,18 +358,31 @@ class TransferEngine:
             await self._release()
 
     async def _release(self) -> None:
-        if self._nvme is not None:
-            await self._nvme.close()
-            self._nvme = None
+        # The tier's close may raise (its final fdatasync failed: StorageError);
+        # the slots, copy threads and the writer are released all the same.
+        try:
+            if self._nvme is not None:
+                try:
+                    await self._nvme.close()
+                finally:
+                    self._nvme_final = self._nvme_stats()  # stats() after close
+                    self._nvme = None
+        finally:
+            if self._writer is not None:
+                self._writer.detach()
+            for ex in self._executors.values():
+                ex.close()
+            self._executors = {}
+            self._host = {}  # views of the region: drop them before unmapping it
+            if self._region is not None:
+                self._region.close()
+                self._region = None
+
+    def _nvme_stats(self) -> dict[str, Any]:
+        nvme = dict(self._nvme.stats())
         if self._writer is not None:
-            self._writer.detach()
-        for ex in self._executors.values():
-            ex.close()
-        self._executors = {}
-        self._host = {}  # views of the region: drop them before unmapping it
-        if self._region is not None:
-            self._region.close()
-            self._region = None
+            nvme.update(self._writer.stats())
+        return nvme
 
     def _task_done(self, task: asyncio.Future[Any]) -> None:
         """Forget a finished internal task and retrieve its outcome.
@@ -1084,6 +1098,7 @@ class TransferEngine:
 
         ``reserved_nbytes`` is ``slot_nbytes`` times occupied slots;
         ``slot_waste_nbytes`` is reserved minus the payload the keys use.
+        After close, ``nvme`` keeps the tier's counters as they were at close.
         """
         pool = self._pool
         per_group: dict[int, int] = {}
@@ -1094,10 +1109,11 @@ class TransferEngine:
             payload += e.payload_nbytes
         occupied = self.num_slots - pool.free_count
         c = self._c
-        nvme = None
+        nvme: dict[str, Any] | None
         if self._nvme is not None:
-            nvme = dict(self._nvme.stats())
-            nvme.update(self._writer.stats())
+            nvme = self._nvme_stats()
+        else:  # closed: the tier's last counters (None without an NVMe tier)
+            nvme = dict(self._nvme_final) if self._nvme_final is not None else None
         return EngineStats(
             num_slots=self.num_slots,
             slot_nbytes=self.slot_nbytes,

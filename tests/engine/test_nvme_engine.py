@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import gc
 import json
@@ -18,6 +19,7 @@ import torch
 
 import kvtier
 from kvtier import _transfer
+from kvtier.errors import StorageError
 from tests.engine import nvme_child
 from tests.engine.helpers import after_iterations, fill_random, key, same
 
@@ -439,7 +441,10 @@ async def test_a_load_cancelled_during_its_promotion_counts_no_failure(tmp_path:
         load = asyncio.ensure_future(
             engine.load([kvtier.Chunk(k_cpu, [8, 9]), kvtier.Chunk(k_nvme, [10, 11])])
         )
-        await asyncio.sleep(0.03)  # k_cpu pinned, k_nvme's read in flight
+        for _ in range(5000):  # until k_cpu is pinned and k_nvme's (slow) read in flight
+            if engine.lookup([k_nvme]) == [kvtier.Residency.PENDING]:
+                break
+            await asyncio.sleep(0.001)
         assert engine.lookup([k_nvme]) == [kvtier.Residency.PENDING]
         load.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -451,3 +456,69 @@ async def test_a_load_cancelled_during_its_promotion_counts_no_failure(tmp_path:
         assert stats.slots_pinned == 0
         assert engine.lookup([k_cpu, k_nvme]) == [kvtier.Residency.CPU] * 2
     assert int((t[8:12] != 7).count_nonzero()) == 0  # no block received bytes
+
+
+class _FailingSync:
+    """A RowIO whose ``fdatasync`` fails with EIO once ``fail`` is set."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.fail = threading.Event()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def fdatasync(self, handle: object) -> None:
+        if self.fail.is_set():
+            raise OSError(errno.EIO, "injected EIO")
+        self.inner.fdatasync(handle)  # type: ignore[attr-defined]
+
+
+async def test_stats_keep_the_nvme_counters_after_close(tmp_path: Path) -> None:
+    t = torch.empty((8, 4096), dtype=torch.uint8)
+    fill_random(t, 41)
+    layout = kvtier.KVLayout.from_tensors({0: {"a": t}})
+    nv = kvtier.NVMeConfig(root=tmp_path, capacity_bytes=16 << 20, segment_nbytes=1 << 20)
+    engine = kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 1, nvme=nv))
+    async with engine:
+        await engine.store([kvtier.Chunk(key(i, 0), [i]) for i in range(3)], durable=True)
+        live = engine.stats().nvme
+    after = engine.stats().nvme
+    assert live is not None
+    assert after is not None
+    assert after["rows_written"] == live["rows_written"] == 3
+    assert after["rows_resident"] == 3
+    after["rows_written"] = -1  # a copy: the engine's snapshot is not changed
+    assert engine.stats().nvme["rows_written"] == 3  # type: ignore[index]
+
+
+async def test_close_releases_everything_when_the_final_fdatasync_fails(tmp_path: Path) -> None:
+    t = torch.empty((8, 4096), dtype=torch.uint8)
+    fill_random(t, 43)
+    layout = kvtier.KVLayout.from_tensors({0: {"a": t}})
+    holder: list[_FailingSync] = []
+    nv = kvtier.NVMeConfig(
+        root=tmp_path,
+        capacity_bytes=16 << 20,
+        segment_nbytes=1 << 20,
+        row_io_wrapper=lambda inner: holder.append(_FailingSync(inner)) or holder[-1],
+    )
+    cfg = kvtier.EngineConfig(1 << 20, 1, nvme=nv)
+    engine = kvtier.TransferEngine(layout, cfg)
+    await engine.start()
+    await engine.store([kvtier.Chunk(key("dirty", 0), [0])])  # written through, not synced
+    for _ in range(5000):  # the row (and the segment created for it) written: 5 s at most
+        if engine.stats().nvme["rows_written"] == 1:  # type: ignore[index]
+            break
+        await asyncio.sleep(0.001)
+    assert engine.stats().nvme["rows_written"] == 1  # type: ignore[index]
+    holder[-1].fail.set()
+    with pytest.raises(StorageError):
+        await engine.aclose()  # the final fdatasync of the written segment fails
+    assert engine._region is None  # the slot pool was unmapped all the same
+    assert engine._executors == {}
+    with pytest.raises(kvtier.EngineClosedError):
+        engine.lookup([key("dirty", 0)])
+    assert engine.stats().nvme is not None
+    async with kvtier.TransferEngine(layout, cfg) as again:  # the namespace lock was released
+        assert again.lookup([key("dirty", 0)]) != [kvtier.Residency.PENDING]
