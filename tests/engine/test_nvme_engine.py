@@ -171,20 +171,49 @@ async def test_durable_store_writes_rows_even_without_write_through(tmp_path: Pa
         ]
 
 
-class _SlowReads:
-    """A RowIO that delays reads once ``slow`` is set (promotions stay in flight)."""
+class _Forwarding:
+    """A RowIO wrapper forwarding every call to ``inner``; subclasses change one call.
+
+    ``on`` switches the change on (set it from the test once set-up is done).
+    """
 
     def __init__(self, inner: object) -> None:
         self.inner = inner
-        self.slow = threading.Event()
+        self.on = threading.Event()
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
 
+
+class _SlowReads(_Forwarding):
+    """Reads take 0.15 s once ``on`` is set (promotions stay in flight)."""
+
     def preadv(self, *args: object, **kwargs: object) -> int:
-        if self.slow.is_set():
+        if self.on.is_set():
             time.sleep(0.15)
         return self.inner.preadv(*args, **kwargs)  # type: ignore[attr-defined,no-any-return]
+
+
+def _wrapped_engine_config(
+    tmp_path: Path, seed: int, namespace: str, wrapper: type[_Forwarding], bpc: int = 2
+) -> tuple[torch.Tensor, kvtier.KVLayout, kvtier.EngineConfig, list[_Forwarding]]:
+    """A one-group layout of seeded bytes and an NVMe config whose RowIO is wrapped.
+
+    Returns ``(tensor, layout, config, holder)``; ``holder[-1]`` is the wrapper of
+    the engine opened last.
+    """
+    t = torch.empty((16, 8192), dtype=torch.uint8)
+    fill_random(t, seed)
+    layout = kvtier.KVLayout.from_tensors({0: {"a": t}})
+    holder: list[_Forwarding] = []
+    nv = kvtier.NVMeConfig(
+        root=tmp_path,
+        capacity_bytes=16 << 20,
+        namespace=namespace,
+        segment_nbytes=1 << 20,
+        row_io_wrapper=lambda inner: holder.append(wrapper(inner)) or holder[-1],
+    )
+    return t, layout, kvtier.EngineConfig(1 << 20, bpc, nvme=nv), holder
 
 
 async def test_load_waits_for_a_promotion_another_load_starts_meanwhile(
@@ -193,19 +222,8 @@ async def test_load_waits_for_a_promotion_another_load_starts_meanwhile(
     # Load A waits for a store in flight; meanwhile load B starts promoting
     # another key of A from NVMe. A must wait for that promotion too and load
     # the key, not report it as a miss.
-    t = torch.empty((16, 8192), dtype=torch.uint8)
-    fill_random(t, 21)
+    t, layout, cfg, holder = _wrapped_engine_config(tmp_path, 21, "wait", _SlowReads)
     before = t.clone()
-    layout = kvtier.KVLayout.from_tensors({0: {"a": t}})
-    holder: list[_SlowReads] = []
-    nv = kvtier.NVMeConfig(
-        root=tmp_path,
-        capacity_bytes=16 << 20,
-        namespace="wait",
-        segment_nbytes=1 << 20,
-        row_io_wrapper=lambda inner: holder.append(_SlowReads(inner)) or holder[-1],
-    )
-    cfg = kvtier.EngineConfig(1 << 20, 2, nvme=nv)
     k_nvme, k_new = key("on-nvme", 0), key("in-flight", 0)
     async with kvtier.TransferEngine(layout, cfg) as engine:
         await engine.store([kvtier.Chunk(k_nvme, [0, 1])], durable=True)
@@ -219,7 +237,7 @@ async def test_load_waits_for_a_promotion_another_load_starts_meanwhile(
     monkeypatch.setattr(_transfer, "run_plan", slow_store)
     async with kvtier.TransferEngine(layout, cfg) as engine:
         assert engine.lookup([k_nvme]) == [kvtier.Residency.NVME]
-        holder[-1].slow.set()
+        holder[-1].on.set()
         store = asyncio.ensure_future(engine.store([kvtier.Chunk(k_new, [2, 3])]))
         await asyncio.sleep(0)
         t[8:12] = 0
@@ -284,15 +302,12 @@ async def test_key_leaving_nvme_during_its_promotion_is_a_miss_not_a_failure(
     assert outcomes == {"loaded", "miss"}
 
 
-class _SlowWrites:
-    """A RowIO that records the size of every write and delays row writes."""
+class _SlowWrites(_Forwarding):
+    """Records the size of every write and delays row writes."""
 
     def __init__(self, inner: object) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.sizes: list[int] = []
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.inner, name)
 
     def pwritev(self, handle: object, bufs: list[memoryview], offset: int) -> int:
         n = sum(b.nbytes for b in bufs)
@@ -419,24 +434,13 @@ async def test_closed_engine_is_freed_without_a_cyclic_garbage_collection(tmp_pa
 async def test_a_load_cancelled_during_its_promotion_counts_no_failure(tmp_path: Path) -> None:
     """Cancelled while a key is promoted: nothing is copied, and the pinned keys are
     released without being counted as load failures (a cancellation is not one)."""
-    t = torch.empty((16, 8192), dtype=torch.uint8)
-    fill_random(t, 31)
-    layout = kvtier.KVLayout.from_tensors({0: {"a": t}})
-    holder: list[_SlowReads] = []
-    nv = kvtier.NVMeConfig(
-        root=tmp_path,
-        capacity_bytes=16 << 20,
-        namespace="cancel",
-        segment_nbytes=1 << 20,
-        row_io_wrapper=lambda inner: holder.append(_SlowReads(inner)) or holder[-1],
-    )
-    cfg = kvtier.EngineConfig(1 << 20, 2, nvme=nv)
+    t, layout, cfg, holder = _wrapped_engine_config(tmp_path, 31, "cancel", _SlowReads)
     k_nvme, k_cpu = key("on-nvme", 0), key("in-cpu", 0)
     async with kvtier.TransferEngine(layout, cfg) as engine:
         await engine.store([kvtier.Chunk(k_nvme, [0, 1])], durable=True)
     async with kvtier.TransferEngine(layout, cfg) as engine:
         await engine.store([kvtier.Chunk(k_cpu, [2, 3])])
-        holder[-1].slow.set()
+        holder[-1].on.set()
         t[8:12] = 7
         load = asyncio.ensure_future(
             engine.load([kvtier.Chunk(k_cpu, [8, 9]), kvtier.Chunk(k_nvme, [10, 11])])
@@ -458,18 +462,11 @@ async def test_a_load_cancelled_during_its_promotion_counts_no_failure(tmp_path:
     assert int((t[8:12] != 7).count_nonzero()) == 0  # no block received bytes
 
 
-class _FailingSync:
-    """A RowIO whose ``fdatasync`` fails with EIO once ``fail`` is set."""
-
-    def __init__(self, inner: object) -> None:
-        self.inner = inner
-        self.fail = threading.Event()
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.inner, name)
+class _FailingSync(_Forwarding):
+    """``fdatasync`` fails with EIO once ``on`` is set."""
 
     def fdatasync(self, handle: object) -> None:
-        if self.fail.is_set():
+        if self.on.is_set():
             raise OSError(errno.EIO, "injected EIO")
         self.inner.fdatasync(handle)  # type: ignore[attr-defined]
 
@@ -493,17 +490,7 @@ async def test_stats_keep_the_nvme_counters_after_close(tmp_path: Path) -> None:
 
 
 async def test_close_releases_everything_when_the_final_fdatasync_fails(tmp_path: Path) -> None:
-    t = torch.empty((8, 4096), dtype=torch.uint8)
-    fill_random(t, 43)
-    layout = kvtier.KVLayout.from_tensors({0: {"a": t}})
-    holder: list[_FailingSync] = []
-    nv = kvtier.NVMeConfig(
-        root=tmp_path,
-        capacity_bytes=16 << 20,
-        segment_nbytes=1 << 20,
-        row_io_wrapper=lambda inner: holder.append(_FailingSync(inner)) or holder[-1],
-    )
-    cfg = kvtier.EngineConfig(1 << 20, 1, nvme=nv)
+    _, layout, cfg, holder = _wrapped_engine_config(tmp_path, 43, "sync", _FailingSync, bpc=1)
     engine = kvtier.TransferEngine(layout, cfg)
     await engine.start()
     await engine.store([kvtier.Chunk(key("dirty", 0), [0])])  # written through, not synced
@@ -512,7 +499,7 @@ async def test_close_releases_everything_when_the_final_fdatasync_fails(tmp_path
             break
         await asyncio.sleep(0.001)
     assert engine.stats().nvme["rows_written"] == 1  # type: ignore[index]
-    holder[-1].fail.set()
+    holder[-1].on.set()
     with pytest.raises(StorageError):
         await engine.aclose()  # the final fdatasync of the written segment fails
     assert engine._region is None  # the slot pool was unmapped all the same
