@@ -12,28 +12,25 @@ from typing import Any
 from kvtier.io import RowIO
 
 
-class CountingRowIO:
-    """Delegates to a real backend and counts requests (thread safe)."""
+class DelegatingRowIO:
+    """Forwards the blocking RowIO methods to a real backend; subclasses override some.
+
+    Every method is written out (no ``__getattr__``): the tier asks the class
+    whether it has ``submit_*``, so a subclass without them gets blocking calls.
+    """
 
     def __init__(self, inner: RowIO) -> None:
         self.inner = inner
         self.name = inner.name
         self.direct = inner.direct
-        self.preadv_calls: list[tuple[int, int]] = []  # (file_offset, nbytes)
-        self.pwritev_calls: list[tuple[int, int]] = []
-        self._lock = threading.Lock()
 
     def open(self, path: str | os.PathLike[str], create: bool) -> Any:
         return self.inner.open(path, create)
 
     def preadv(self, handle: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
-        with self._lock:
-            self.preadv_calls.append((file_offset, sum(memoryview(b).nbytes for b in bufs)))
         return self.inner.preadv(handle, bufs, file_offset)
 
     def pwritev(self, handle: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
-        with self._lock:
-            self.pwritev_calls.append((file_offset, sum(memoryview(b).nbytes for b in bufs)))
         return self.inner.pwritev(handle, bufs, file_offset)
 
     def fdatasync(self, handle: Any) -> None:
@@ -44,6 +41,26 @@ class CountingRowIO:
 
     def close(self, handle: Any) -> None:
         self.inner.close(handle)
+
+
+class CountingRowIO(DelegatingRowIO):
+    """Delegates to a real backend and counts requests (thread safe)."""
+
+    def __init__(self, inner: RowIO) -> None:
+        super().__init__(inner)
+        self.preadv_calls: list[tuple[int, int]] = []  # (file_offset, nbytes)
+        self.pwritev_calls: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+
+    def preadv(self, handle: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
+        with self._lock:
+            self.preadv_calls.append((file_offset, sum(memoryview(b).nbytes for b in bufs)))
+        return self.inner.preadv(handle, bufs, file_offset)
+
+    def pwritev(self, handle: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
+        with self._lock:
+            self.pwritev_calls.append((file_offset, sum(memoryview(b).nbytes for b in bufs)))
+        return self.inner.pwritev(handle, bufs, file_offset)
 
     def reset(self) -> None:
         with self._lock:

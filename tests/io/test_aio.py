@@ -17,6 +17,7 @@ from kvtier.io._aio import AioContext, aio_supported
 from kvtier.io._rowio import probe_direct_io
 
 from .conftest import GROUP_NBYTES, hashes, key, payload, tier_kwargs
+from .faults import DelegatingRowIO
 
 
 @pytest.fixture
@@ -192,33 +193,16 @@ async def test_tier_on_aio_turns_a_corrupt_row_into_a_counted_miss(aio_dir, slot
         await tier.close()
 
 
-class _FaultyAio:
+class _FaultyAio(DelegatingRowIO):
     """Delegates to a real :class:`AioRowIO`; fails or shortens queued requests on demand."""
 
+    inner: AioRowIO
+
     def __init__(self, inner: AioRowIO) -> None:
-        self.inner = inner
-        self.name, self.direct = inner.name, inner.direct
+        super().__init__(inner)
         self.fail_writes = self.fail_reads = False
         self.short_write = self.short_read = 0  # bytes kept, 0: off
         self.submitted = 0
-
-    def open(self, path: os.PathLike[str], create: bool) -> int:
-        return self.inner.open(path, create)
-
-    def preadv(self, handle: int, bufs: list[memoryview], file_offset: int) -> int:
-        return self.inner.preadv(handle, bufs, file_offset)
-
-    def pwritev(self, handle: int, bufs: list[memoryview], file_offset: int) -> int:
-        return self.inner.pwritev(handle, bufs, file_offset)
-
-    def fdatasync(self, handle: int) -> None:
-        self.inner.fdatasync(handle)
-
-    def allocate(self, handle: int, nbytes: int) -> None:
-        self.inner.allocate(handle, nbytes)
-
-    def close(self, handle: int) -> None:
-        self.inner.close(handle)
 
     def _shorten(self, bufs: list[memoryview], keep: int) -> list[memoryview]:
         out, left = [], keep

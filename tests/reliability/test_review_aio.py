@@ -18,6 +18,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -32,6 +33,7 @@ from kvtier.io._rowio import probe_direct_io
 from tests.engine import nvme_child
 from tests.engine.helpers import same
 from tests.io.conftest import GROUP_NBYTES, Slots, key, payload, tier_kwargs
+from tests.io.faults import DelegatingRowIO
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -289,33 +291,20 @@ async def test_tier_many_concurrent_calls_beyond_depth_bitwise_and_close_frees(
         await tier.close()
 
 
-class _Blocking:
+class _Blocking(DelegatingRowIO):
     """A wrapper with only the blocking RowIO methods (no submit_*): worker threads."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.name, self.direct = inner.name, inner.direct
+        super().__init__(inner)
         self.reads = self.writes = 0
 
-    def open(self, path: Any, create: bool) -> int:
-        return self.inner.open(path, create)  # type: ignore[no-any-return]
-
-    def preadv(self, handle: int, bufs: list[memoryview], file_offset: int) -> int:
+    def preadv(self, handle: int, bufs: Sequence[memoryview], file_offset: int) -> int:
         self.reads += 1
-        return self.inner.preadv(handle, bufs, file_offset)  # type: ignore[no-any-return]
+        return self.inner.preadv(handle, bufs, file_offset)
 
-    def pwritev(self, handle: int, bufs: list[memoryview], file_offset: int) -> int:
+    def pwritev(self, handle: int, bufs: Sequence[memoryview], file_offset: int) -> int:
         self.writes += 1
-        return self.inner.pwritev(handle, bufs, file_offset)  # type: ignore[no-any-return]
-
-    def fdatasync(self, handle: int) -> None:
-        self.inner.fdatasync(handle)
-
-    def allocate(self, handle: int, nbytes: int) -> None:
-        self.inner.allocate(handle, nbytes)
-
-    def close(self, handle: int) -> None:
-        self.inner.close(handle)
+        return self.inner.pwritev(handle, bufs, file_offset)
 
 
 async def test_wrapper_without_submit_uses_blocking_path_and_still_frees_context(
