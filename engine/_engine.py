@@ -415,7 +415,10 @@ class TransferEngine:
             only a fully written row exists, else ``MISS``.
 
         Raises:
-            InvalidArgumentError: ``keys`` is not an iterable of :class:`OffloadKey`.
+            InvalidArgumentError: ``keys`` is not an iterable of :class:`OffloadKey`;
+                ``UnknownGroupError`` for a group the layout does not have (as
+                ``store``, ``load`` and ``prefetch`` raise: such a key is a
+                caller's bug, not a miss).
             EngineClosedError: the engine is not open.
 
         """
@@ -428,6 +431,7 @@ class TransferEngine:
         for key in keys:
             if not isinstance(key, OffloadKey):
                 raise InvalidArgumentError(f"expected kvtier.OffloadKey, got {type(key).__name__}")
+            self.layout.group(key.group_id)  # raises UnknownGroupError
         out = []
         for key in keys:
             entry = self._pool.get(key)
@@ -443,7 +447,8 @@ class TransferEngine:
         """Number of leading keys that a load can serve (``CPU``, ``NVME`` or ``PENDING``).
 
         Raises:
-            InvalidArgumentError: ``keys`` is not an iterable of :class:`OffloadKey`.
+            InvalidArgumentError: ``keys`` is not an iterable of :class:`OffloadKey`
+                (``UnknownGroupError``: a key of a group the layout does not have).
             EngineClosedError: the engine is not open.
 
         """

@@ -99,6 +99,12 @@ LOOKUP: dict[str, Callable[[kvtier.TransferEngine, Witness], Any]] = {
     "lookup([None])": lambda e, w: e.lookup([None]),
     "prefix_hits([bytes])": lambda e, w: e.prefix_hits([w.cpu[0].key.block_hash]),
     "prefix_hits(None)": lambda e, w: e.prefix_hits(None),
+    "lookup([key of an unknown group])": lambda e, w: e.lookup(
+        [w.cpu[0].key, kvtier.OffloadKey(w.cpu[0].key.block_hash, 99)]
+    ),
+    "prefix_hits([key of an unknown group])": lambda e, w: e.prefix_hits(
+        [w.cpu[0].key, kvtier.OffloadKey(w.cpu[0].key.block_hash, 99)]
+    ),
 }
 
 
@@ -169,6 +175,13 @@ async def test_load_of_sub_blocks_never_stored_fails_that_key_alone(
 @pytest.mark.parametrize("case", sorted(LOOKUP))
 async def test_bad_lookup_raises_typed_error(witness: Witness, case: str) -> None:
     await _check_unchanged(witness, lambda: LOOKUP[case](witness.engine, witness), False)
+
+
+async def test_lookup_of_an_unknown_group_names_the_group(witness: Witness) -> None:
+    # A key of a group the layout does not have is a caller's bug, not a MISS:
+    # lookup says so as store, load and prefetch do.
+    with pytest.raises(errors.UnknownGroupError, match="99"):
+        witness.engine.lookup([kvtier.OffloadKey(witness.cpu[0].key.block_hash, 99)])
 
 
 # ------------------------------------------------------------------ construction
