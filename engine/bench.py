@@ -13,8 +13,12 @@ Phases (each reported in GB/s with p50/p99 per-batch latency):
   ``write_through=False``: the same batches, checksums and writes as
   write-through) vs (a) a raw sequential write of one file with the same
   backend, request size, thread count and direct-I/O mode, ``fdatasync``
-  included (the disk's ceiling) and (b) one file per chunk written to a
-  temporary name and renamed (what most peers do).
+  included (the disk's ceiling), (a') the same raw write with every request
+  first hashed with kvtier's row checksum (xxh3-64) on as many threads as the
+  tier has checksum workers (``raw_checksummed``: the ceiling of any writer
+  that checksums its data; hashing reads every byte once more, and on this
+  2-vCPU VM that memory traffic slows the virtual disk) and (b) one file per
+  chunk written to a temporary name and renamed (what most peers do).
 * ``nvme_write_e2e``: store -> write-through -> ``flush`` of every chunk, timed
   end to end vs the same raw write. It includes the device -> CPU copies,
   which on a CPU-only host run on the same cores as the I/O threads (on a
@@ -22,8 +26,9 @@ Phases (each reported in GB/s with p50/p99 per-batch latency):
 * ``nvme_read``: cold promotion NVMe -> CPU slots (a new engine: empty CPU
   tier; page cache dropped with ``posix_fadvise`` when I/O is buffered):
   ``engine.prefetch`` of every key, ``inflight_batches`` calls of
-  ``batch_chunks`` keys at a time, vs (a) a raw sequential read of one file
-  and (b) reading each chunk file whole, both into memory as well.
+  ``batch_chunks`` keys at a time, vs (a) a raw sequential read of one file,
+  (a') the same with every request hashed after it landed (``raw_checksummed``)
+  and (b) reading each chunk file whole, all into memory as well.
   ``cold_load``: the same keys loaded cold with ``engine.load`` in another new
   engine, promotion plus the CPU -> device copy (on a CPU-only host a memory
   copy on the same cores as the I/O threads; on a CUDA host DMA).
@@ -74,6 +79,7 @@ from kvtier._shapes import LayerSpec, ModelShape, model_shape
 from kvtier._slots import HostRegion
 from kvtier._transfer import ChunkCopy, PieceSpec, piece_specs, slot_views
 from kvtier.io import AioRowIO
+from kvtier.io._format import payload_checksum
 from kvtier.layout import KVLayout, round_up
 
 
@@ -238,6 +244,10 @@ class _Baselines:
         self.buf = HostRegion(round_up(max(self.total, row_nbytes * nrows)), pin=False)
         self.buf.prefault()
         self.threads = cfg.io_threads
+        # As many hashing threads as the tier has checksum workers.
+        self.hash_pool = concurrent.futures.ThreadPoolExecutor(
+            max(1, min(cfg.io_threads, os.cpu_count() or 1)), thread_name_prefix="bench-hash"
+        )
 
     def _mv(self, offset: int, n: int) -> memoryview:
         return self.buf.buffer(0, self.buf.nbytes)[offset : offset + n]
@@ -249,30 +259,58 @@ class _Baselines:
             f.result()
         return time.perf_counter() - t0
 
-    def _sequential(self, h: Any, write: bool) -> float:
-        """One pass of ``req``-byte requests over the file (I/O threads, or the AIO context)."""
+    def _sequential(self, h: Any, write: bool, checksum: bool = False) -> float:
+        """One pass of ``req``-byte requests over the file (I/O threads, or the AIO context).
+
+        ``checksum``: every request's bytes are also hashed with kvtier's row
+        checksum (xxh3-64) on ``hash_pool``, before the request is issued
+        (write: hashing runs ahead, each request goes out once its hash is
+        done) or after it completed (read), the least a writer or reader that
+        checks its data must add to the disk's ceiling.
+        """
         offsets = range(0, self.total, self.req)
+        sizes = [min(self.req, self.total - off) for off in offsets]
         t0 = time.perf_counter()
+        hashes = (
+            [
+                self.hash_pool.submit(payload_checksum, self._mv(off, n))
+                for off, n in zip(offsets, sizes, strict=True)
+            ]
+            if checksum and write
+            else []
+        )
         if isinstance(self.io, AioRowIO):  # the same requests, queued in the kernel
             submit = self.io.submit_pwritev if write else self.io.submit_preadv
             futs = []
-            for off in offsets:
-                n = min(self.req, self.total - off)
-                futs.append((n, submit(h, [self._mv(off, n)], off)))
-            for n, fut in futs:
-                assert fut.result() == n
+            for i, (off, n) in enumerate(zip(offsets, sizes, strict=True)):
+                if hashes:
+                    hashes[i].result()
+                futs.append(submit(h, [self._mv(off, n)], off))
+            for i, fut in enumerate(futs):
+                assert fut.result() == sizes[i]
+                if checksum and not write:
+                    hashes.append(
+                        self.hash_pool.submit(payload_checksum, self._mv(offsets[i], sizes[i]))
+                    )
         else:
             op = self.io.pwritev if write else self.io.preadv
 
             def one(worker: int, i: int) -> None:
-                off = offsets[i]
-                n = min(self.req, self.total - off)
-                assert op(h, [self._mv(off, n)], off) == n
+                if checksum and write:
+                    hashes[i].result()
+                assert op(h, [self._mv(offsets[i], sizes[i])], offsets[i]) == sizes[i]
+                if checksum and not write:  # verified on the hashing threads, as kvtier does
+                    hashes.append(
+                        self.hash_pool.submit(payload_checksum, self._mv(offsets[i], sizes[i]))
+                    )
 
             self._parallel(one, len(offsets))
+        for fut in hashes:
+            fut.result()
         return time.perf_counter() - t0
 
-    def raw_write(self) -> float:
+    def raw_write(self, checksum: bool = False) -> float:
+        """Seconds to write ``raw.bin`` afresh (``checksum``: see :meth:`_sequential`)."""
         path = os.path.join(self.root, "raw.bin")
         # A fresh file every repeat, like kvtier's fresh tier: overwriting blocks
         # that an earlier repeat already wrote would skip the allocation work.
@@ -281,17 +319,18 @@ class _Baselines:
         t0 = time.perf_counter()  # file creation counts, as it does for kvtier's segments
         h = self.io.open(path, True)
         self.io.allocate(h, self.total)
-        self._sequential(h, write=True)
+        self._sequential(h, write=True, checksum=checksum)
         self.io.fdatasync(h)
         dt = time.perf_counter() - t0
         self.io.close(h)
         return dt
 
-    def raw_read(self) -> float:
+    def raw_read(self, checksum: bool = False) -> float:
+        """Seconds to read ``raw.bin`` from the disk (``checksum``: see :meth:`_sequential`)."""
         path = os.path.join(self.root, "raw.bin")
         _drop_cache(path, self.io.direct)
         h = self.io.open(path, False)
-        dt = self._sequential(h, write=False)
+        dt = self._sequential(h, write=False, checksum=checksum)
         self.io.close(h)
         return dt
 
@@ -330,6 +369,7 @@ class _Baselines:
 
     def close(self) -> None:
         self.pool.shutdown()
+        self.hash_pool.shutdown()
         if isinstance(self.io, AioRowIO):
             self.io.shutdown()
         self.buf.close()
@@ -515,12 +555,12 @@ async def _nvme_phases(
         row_bytes = sum(rows[c.key.group_id] for c in chunks)
         write, e2e, read = report["nvme_write"], report["nvme_write_e2e"], report["nvme_read"]
         write.nbytes = e2e.nbytes = read.nbytes = row_bytes
-        e2e.baselines = {"raw_sequential": []}
+        e2e.baselines = {"raw_sequential": [], "raw_checksummed": []}
         baselines = _Baselines(cfg, tmp, row_bytes, max(rows.values()), len(chunks))
         info["direct_io"] = baselines.io.direct
         info["backend"] = type(baselines.io).__name__
         for phase in (write, read):
-            phase.baselines = {"raw_sequential": [], "file_per_chunk": []}
+            phase.baselines = {"raw_sequential": [], "raw_checksummed": [], "file_per_chunk": []}
         read.variants["cold_load"] = []
         snap = _snapshot(layout)
         for r in range(cfg.repeat):
@@ -544,6 +584,10 @@ async def _nvme_phases(
             progress(f"repeat {r + 1}/{cfg.repeat}: raw sequential write")
             write.baselines["raw_sequential"].append(
                 await loop.run_in_executor(None, baselines.raw_write)
+            )
+            progress(f"repeat {r + 1}/{cfg.repeat}: raw sequential write, checksummed")
+            write.baselines["raw_checksummed"].append(
+                await loop.run_in_executor(None, baselines.raw_write, True)
             )
             progress(f"repeat {r + 1}/{cfg.repeat}: kvtier CPU -> NVMe")
             staged = dataclasses.replace(ecfg, write_through=False)
@@ -574,7 +618,8 @@ async def _nvme_phases(
                 failures = engine.stats().nvme or {}
                 assert failures.get("write_failures", 0) == 0, f"NVMe write failures: {failures}"
             shutil.rmtree(e2e_root, ignore_errors=True)
-            e2e.baselines["raw_sequential"].append(write.baselines["raw_sequential"][-1])
+            for name in e2e.baselines:
+                e2e.baselines[name].append(write.baselines[name][-1])
             progress(f"repeat {r + 1}/{cfg.repeat}: file-per-chunk write")
             write.baselines["file_per_chunk"].append(
                 await loop.run_in_executor(None, baselines.files_write)
@@ -583,6 +628,10 @@ async def _nvme_phases(
             progress(f"repeat {r + 1}/{cfg.repeat}: raw sequential read")
             read.baselines["raw_sequential"].append(
                 await loop.run_in_executor(None, baselines.raw_read)
+            )
+            progress(f"repeat {r + 1}/{cfg.repeat}: raw sequential read, checksummed")
+            read.baselines["raw_checksummed"].append(
+                await loop.run_in_executor(None, baselines.raw_read, True)
             )
             progress(f"repeat {r + 1}/{cfg.repeat}: kvtier cold promotion")
             batches = _batches(chunks, cfg.batch_chunks)

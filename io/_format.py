@@ -129,7 +129,7 @@ def digest16(digest: bytes) -> str:
 
 
 def payload_checksum(payload: memoryview | bytes) -> int:
-    """xxh3-64 of a padded payload region (reads it once; releases no GIL)."""
+    """xxh3-64 of a padded payload region (reads it once; xxhash releases the GIL while hashing)."""
     return int(xxhash.xxh3_64_intdigest(payload))
 
 

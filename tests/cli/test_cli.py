@@ -60,8 +60,11 @@ def test_bench_tiny_size_reports_every_phase_and_cleans_up(tmp_path: Path, layou
     for p in phases.values():
         assert p["gbps"] > 0
         assert p["p99_ms"] >= p["p50_ms"] > 0, p
-    assert phases["nvme_write"]["ratio_vs_raw_sequential"] > 0
-    assert phases["nvme_write_e2e"]["ratio_vs_raw_sequential"] > 0
+    for name in ("nvme_write", "nvme_write_e2e", "nvme_read"):
+        assert phases[name]["ratio_vs_raw_sequential"] > 0
+        assert phases[name]["raw_checksummed_gbps"] > 0
+        assert phases[name]["ratio_vs_raw_checksummed"] > 0
+    assert "raw_checksummed" in res.stdout
     for name in ("store", "load"):
         assert phases[name]["pipelined"]["ratio_vs_plain_copy"] > 0
     assert result["config"]["inflight_batches"] == 2
@@ -160,6 +163,8 @@ def test_bench_on_the_aio_backend_verifies_every_byte(tmp_path: Path) -> None:
     assert result["io"]["backend"] == "AioRowIO"
     assert result["io"]["verified_repeats"] == 1  # store -> NVMe -> load compared bitwise
     assert result["phases"]["nvme_write"]["ratio_vs_raw_sequential"] > 0
+    assert result["phases"]["nvme_write"]["ratio_vs_raw_checksummed"] > 0
+    assert result["phases"]["nvme_read"]["ratio_vs_raw_checksummed"] > 0
 
 
 def test_bench_without_nvme_reports_no_nvme_figures(tmp_path: Path) -> None:
