@@ -263,19 +263,69 @@ class AioRowIO(PosixRowIO):
         self._ctx.close()
 
 
-def _each_buffer(op: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
+def _each_buffer(
+    op: Any, bufs: Sequence[memoryview], file_offset: int, limit: int | None = None
+) -> int:
     """Run ``op(buf, nbytes, offset).get()`` for consecutive buffers; stop at a short one.
 
+    ``limit``: the file size for reads. kvikio raises at end of file where
+    POSIX returns a short count (``KVIKIO_EXPECT(nbytes_processed != 0, ...)``
+    in ``cpp/include/kvikio/detail/posix_io.hpp``), so reads are cut at
+    ``limit`` and come back short, as the RowIO contract says.
+
     Returns the bytes done in all (the caller treats a short total as failure).
+
+    Raises:
+        OSError: kvikio's ``RuntimeError`` (it carries no errno), mapped to the
+            errno its message names (ENOSPC, EIO, ...), else EIO.
     """
     done = 0
     for buf in bufs:
         nbytes = memoryview(buf).nbytes
-        n = int(op(buf, nbytes, file_offset + done).get())
+        want = nbytes if limit is None else max(0, min(nbytes, limit - file_offset - done))
+        if want == 0:
+            break
+        view = memoryview(buf).cast("B")[:want] if want < nbytes else buf
+        try:
+            n = int(op(view, want, file_offset + done).get())
+        except RuntimeError as exc:
+            raise _kvikio_oserror(exc) from exc
         done += n
         if n != nbytes:
             break
     return done
+
+
+_KVIKIO_ERRNOS = (errno.ENOSPC, errno.EIO, errno.EINVAL, errno.EBADF, errno.EFBIG, errno.EDQUOT)
+
+
+def _kvikio_oserror(exc: RuntimeError) -> OSError:
+    """The OSError for a kvikio RuntimeError: the errno whose text it quotes, else EIO."""
+    text = str(exc)
+    for code in _KVIKIO_ERRNOS:
+        if os.strerror(code) in text or errno.errorcode[code] in text:
+            return OSError(code, f"kvikio: {text}")
+    return OSError(errno.EIO, f"kvikio: {text}")
+
+
+def _raise_kvikio_threads(kvikio: Any, threads: int) -> None:
+    """Give kvikio's thread pool at least ``threads`` threads (it defaults to 1).
+
+    Requests of ``gds_threshold`` bytes (1 MiB) or more go through that pool;
+    with one thread the tier's ``io_threads`` requests would run one at a
+    time. Never lowers a setting the process chose. kvikio >= 25.02 has
+    ``defaults.get/set("num_threads")``; older releases
+    ``get_num_threads``/``set_num_threads``.
+    """
+    defaults = kvikio.defaults
+    try:
+        if hasattr(defaults, "get_num_threads"):
+            if defaults.get_num_threads() < threads:
+                defaults.set_num_threads(threads)
+        elif int(defaults.get("num_threads")) < threads:
+            defaults.set("num_threads", threads)
+    except Exception as exc:  # an API this code does not know: keep kvikio's setting
+        log.warning("kvtier: could not raise kvikio's thread pool to %d: %s", threads, exc)
 
 
 class _KvikioHandle:
@@ -294,21 +344,30 @@ class KvikioRowIO:
     ``allocate``. The blocking ``IOFuture.get()`` runs in the caller's worker
     thread, never on the event loop.
 
+    Reads past the end of the file come back short and kvikio's errors as
+    OSError with an errno (see :func:`_each_buffer`), as the RowIO contract
+    asks; in direct mode every request is alignment-checked like the posix
+    backend's.
+
     Args:
-        direct: whether O_DIRECT works on the target filesystem (informative:
-            kvikio decides itself how it opens files).
+        direct: whether O_DIRECT works on the target filesystem (kvikio
+            decides itself how it opens files; for host buffers it does
+            ``pread``/``pwrite`` in its thread pool).
+        threads: the tier's ``io_threads``: kvikio's thread pool is raised to
+            at least this many threads.
 
     Raises:
         ImportError: kvikio is not installed.
 
     """
 
-    def __init__(self, direct: bool = True) -> None:
+    def __init__(self, direct: bool = True, threads: int = 4) -> None:
         import kvikio
 
         self._kvikio = kvikio
         self.direct = bool(direct)
         self.name = "kvikio"
+        _raise_kvikio_threads(kvikio, threads)
 
     def __repr__(self) -> str:
         return f"KvikioRowIO(direct={self.direct})"
@@ -326,10 +385,14 @@ class KvikioRowIO:
 
     def preadv(self, handle: _KvikioHandle, bufs: Sequence[memoryview], file_offset: int) -> int:
         """See :meth:`RowIO.preadv`; one ``CuFile.pread`` per buffer, stops at a short one."""
-        return _each_buffer(handle.cufile.pread, bufs, file_offset)
+        if self.direct:
+            _check_request(bufs, file_offset)
+        return _each_buffer(handle.cufile.pread, bufs, file_offset, os.fstat(handle.fd).st_size)
 
     def pwritev(self, handle: _KvikioHandle, bufs: Sequence[memoryview], file_offset: int) -> int:
         """See :meth:`RowIO.pwritev`; one ``CuFile.pwrite`` per buffer, stops at a short one."""
+        if self.direct:
+            _check_request(bufs, file_offset)
         return _each_buffer(handle.cufile.pwrite, bufs, file_offset)
 
     def fdatasync(self, handle: _KvikioHandle) -> None:
@@ -403,7 +466,11 @@ def probe_direct_io(probe_dir: str | os.PathLike[str]) -> bool:
 
 
 def select_backend(
-    io_backend: str, direct_io: str, probe_dir: str | os.PathLike[str], aio_depth: int = 16
+    io_backend: str,
+    direct_io: str,
+    probe_dir: str | os.PathLike[str],
+    aio_depth: int = 16,
+    io_threads: int = 4,
 ) -> RowIO:
     """Choose and construct the RowIO backend (blocks: probes the filesystem).
 
@@ -415,6 +482,8 @@ def select_backend(
             a warning and use buffered I/O), ``"on"`` or ``"off"``.
         probe_dir: an existing writable directory on the target filesystem.
         aio_depth: requests queued in the kernel at once (``"aio"`` only).
+        io_threads: the caller's I/O threads (``"kvikio"``: its thread pool
+            gets at least this many).
 
     Returns:
         The backend; its ``direct`` attribute tells whether O_DIRECT is used.
@@ -449,5 +518,5 @@ def select_backend(
     if use_kvikio:
         if io_backend == "kvikio" and not kvikio_available():
             raise ConfigError("io_backend='kvikio' needs kvikio and a loadable CUDA driver")
-        return KvikioRowIO(direct)
+        return KvikioRowIO(direct, io_threads)
     return PosixRowIO(direct)

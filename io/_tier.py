@@ -328,7 +328,7 @@ class NVMeTier:
             )
             (inner,) = await self._run_kept(
                 select_backend,
-                [(io_backend, direct_io, self.directory, 4 * io_threads)],
+                [(io_backend, direct_io, self.directory, 4 * io_threads, io_threads)],
                 self._keep_backend,
             )
             self._counts["direct_io_fallback"] = int(direct_io == "auto" and not inner.direct)
