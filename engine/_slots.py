@@ -15,6 +15,7 @@ import contextlib
 import enum
 import logging
 import mmap
+import threading
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -206,11 +207,13 @@ class HostRegion:
 
     An anonymous ``mmap`` (page aligned, so every slot is 4 KiB aligned as
     O_DIRECT requires), pre-faulted, and ``cudaHostRegister``-ed on CUDA hosts
-    (falls back to pageable memory with a warning; ``pinned`` tells which).
+    by :meth:`prefault` (falls back to pageable memory with a warning;
+    ``pinned`` tells which).
 
     Args:
         nbytes: total bytes (a multiple of 4096, ``> 0``).
-        pin: try to page-lock the buffer for the GPU (only when CUDA is available).
+        pin: page-lock the buffer for the GPU in :meth:`prefault` (only when
+            CUDA is available).
 
     """
 
@@ -230,19 +233,37 @@ class HostRegion:
         self.host_views = {w: v.numpy() for w, v in self.views.items()}
         self.pinned = False
         self._registered = False
-        if pin and torch.cuda.is_available():
-            try:
-                cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-                rc = cudart.cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
-                self._registered = self.pinned = int(rc) == 0
-                if not self.pinned:
-                    log.warning("kvtier: cudaHostRegister failed (%s); using pageable memory", rc)
-            except Exception as exc:  # pragma: no cover - CUDA hosts only
-                log.warning("kvtier: cudaHostRegister unavailable (%s); using pageable memory", exc)
+        self._want_pin = bool(pin) and torch.cuda.is_available()
 
     def prefault(self) -> None:
-        """Touch every page so that the first copies do not pay page faults (blocks)."""
+        """Touch every page, then page-lock the buffer where ``pin`` asked (blocks).
+
+        Call it off the event loop: touching, and on CUDA hosts registering,
+        tens of GiB takes seconds. The first copies then pay no page faults.
+        ``cudaHostRegister`` runs on a thread of its own that ends right
+        after: CUDA keeps the last error per host thread, and after a failed
+        registration torch's next kernel-launch check on that thread would
+        raise it; the error dies with the thread.
+        """
         self.tensor.zero_()
+        if self._want_pin and not self._registered:  # pragma: no cover - CUDA hosts only
+            thread = threading.Thread(target=self._register, name="kvtier-pin")
+            thread.start()
+            thread.join()
+
+    def _register(self) -> None:  # pragma: no cover - CUDA hosts only
+        try:
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            rc = cudart.cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
+            if int(rc) == 0:
+                self._registered = self.pinned = True
+            else:
+                log.warning(
+                    "kvtier: cudaHostRegister failed (%s); using pageable memory",
+                    cudart.cudaGetErrorString(rc),
+                )
+        except Exception as exc:
+            log.warning("kvtier: cudaHostRegister unavailable (%s); using pageable memory", exc)
 
     def slot(self, index: int, slot_nbytes: int) -> torch.Tensor:
         """The uint8 view of slot ``index`` (``slot_nbytes`` bytes, 4 KiB aligned)."""

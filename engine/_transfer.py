@@ -313,7 +313,10 @@ def run_plan(plan: Sequence[ChunkCopy], direction: Direction) -> None:
         device = copy.specs[0].gpu.device
         on_cpu = device.type == "cpu"
         run = ids == tuple(range(first, first + n))
-        idx = None if run else torch.tensor(ids, dtype=torch.long, device=device)
+        # Built on the host, then copied without blocking: ``torch.tensor(...,
+        # device=cuda)`` would synchronize the current (copy) stream, which
+        # has just been told to wait for the compute stream, on the loop thread.
+        idx = None if run else torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
         for spec in copy.specs:
             gpu, slot = slot_views(copy, spec)
             if idx is None:
@@ -485,22 +488,39 @@ class CopyExecutor:
         self, plan: Sequence[ChunkCopy], loop: asyncio.AbstractEventLoop, done: JobDone
     ) -> None:  # pragma: no cover - CUDA hosts only
         assert self._stream is not None
+        error: TransferError | None = None
         try:
             compute = torch.cuda.current_stream(self.device)
             self._stream.wait_stream(compute)
             with torch.cuda.stream(self._stream):
-                run_plan(plan, self.direction)
+                try:
+                    run_plan(plan, self.direction)
+                except Exception as exc:
+                    # Copies enqueued before the failure may still be running:
+                    # report the error only once the stream has passed them,
+                    # so the job's slots are not reused under a DMA.
+                    error = TransferError(
+                        f"{self.direction} copy of {len(plan)} chunks failed: {exc}"
+                    )
+                    error.__cause__ = exc
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(self._stream)
-        except Exception as exc:
-            error = TransferError(f"{self.direction} copy of {len(plan)} chunks failed: {exc}")
-            error.__cause__ = exc
-            loop.call_soon(done, error)
+        except Exception as exc:  # the stream itself failed (a sticky CUDA error)
+            failed = TransferError(f"{self.direction} copy of {len(plan)} chunks failed: {exc}")
+            failed.__cause__ = exc
+            loop.call_soon(done, failed)
             return
 
         def poll(delay: float) -> None:
-            if event.query():  # type: ignore[no-untyped-call]
-                done(None)
+            try:
+                finished = event.query()  # type: ignore[no-untyped-call]
+            except Exception as exc:  # a device fault while copying: never leave `done` unsaid
+                failed = TransferError(f"{self.direction} copy failed on the device: {exc}")
+                failed.__cause__ = exc
+                done(failed)
+                return
+            if finished:
+                done(error)
             else:
                 loop.call_later(delay, poll, min(delay * 2, _POLL_MAX_S))
 

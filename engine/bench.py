@@ -230,7 +230,9 @@ class _Baselines:
     ) -> None:
         from kvtier.io import select_backend
 
-        self.io = select_backend(cfg.io_backend, cfg.direct_io, root, 4 * cfg.io_threads)
+        self.io = select_backend(
+            cfg.io_backend, cfg.direct_io, root, 4 * cfg.io_threads, cfg.io_threads
+        )
         self.root = root
         self.total = round_up(total)
         self.row_nbytes = row_nbytes
@@ -531,8 +533,8 @@ def _torch_gather(
             gpu, slot = slot_views(copy, spec)
             if direction == "store":
                 slot.copy_(gpu[idx])
-            else:
-                gpu[idx] = slot
+            else:  # index_put_ takes its values on the destination's device
+                gpu[idx] = slot.to(gpu.device)
     if layout.device.type == "cuda":
         torch.cuda.synchronize()
 

@@ -73,3 +73,39 @@ async def test_loop_stays_responsive_during_cuda_jobs() -> None:
         await engine.store(chunks)
         task.cancel()
         assert ticks > 0
+
+
+async def test_partial_chunks_round_trip_bitwise() -> None:
+    layout, full, swa = _layout()
+    chunks = [
+        kvtier.Chunk(key(f"p{i}", i % 2), [(11 * i + 5 * j) % 64 for j in range(2)], offset=1)
+        for i in range(6)
+    ]
+    before = (full.clone(), swa.clone())
+    async with kvtier.TransferEngine(layout, kvtier.EngineConfig(64 << 20, 4)) as engine:
+        assert len((await engine.store(chunks)).stored) == 6
+        full.zero_()
+        swa.zero_()
+        assert not (await engine.load(chunks)).failed
+        torch.cuda.synchronize()
+    for c in chunks:
+        t, b = (full, before[0]) if c.key.group_id == 0 else (swa, before[1])
+        ids = torch.tensor(c.block_ids, device="cuda")
+        dim = 0 if c.key.group_id == 0 else 1
+        assert same(t.index_select(dim, ids), b.index_select(dim, ids))
+
+
+async def test_store_of_scattered_blocks_does_not_wait_for_compute_on_the_loop() -> None:
+    # Building a job's block-index tensor with torch.tensor(..., device=cuda)
+    # synchronizes the copy stream, which waits for the compute stream: the
+    # loop thread would block until the queued kernels end.
+    layout, _, _ = _layout(torch.float32)
+    async with kvtier.TransferEngine(layout, kvtier.EngineConfig(64 << 20, 4)) as engine:
+        a = torch.randn(8192, 8192, device="cuda")
+        for _ in range(24):  # a few hundred milliseconds of queued compute
+            a = a @ a / 128.0
+        task = asyncio.ensure_future(engine.store([kvtier.Chunk(key("sc", 0), [9, 3, 7, 1])]))
+        await asyncio.sleep(0.002)  # the store's job has been submitted by now
+        still_computing = not torch.cuda.current_stream().query()
+        await task
+        assert still_computing
