@@ -59,6 +59,8 @@ class PieceSpec(NamedTuple):
         payload: the layer's payload bytes per block.
         offset: byte offset of the piece inside sub-block 0 of the slot
             (layer offset + offset of the piece inside the page payload).
+        layer_offset: byte offset of the piece's layer inside the slot (the
+            pieces of one layer share it and follow each other in a spec list).
     """
 
     gpu: torch.Tensor
@@ -70,6 +72,7 @@ class PieceSpec(NamedTuple):
     strides8: tuple[int, ...]
     payload: int
     offset: int
+    layer_offset: int
 
 
 def piece_specs(group: GroupLayout, layer_offsets: Sequence[int]) -> tuple[PieceSpec, ...]:
@@ -89,7 +92,7 @@ def piece_specs(group: GroupLayout, layer_offsets: Sequence[int]) -> tuple[Piece
                 PieceSpec(
                     piece.view, piece.itemsize, shape, _contiguous_strides(shape),
                     piece.view8, shape8, _contiguous_strides(shape8),
-                    layer.payload_nbytes, offset + piece.page_start,
+                    layer.payload_nbytes, offset + piece.page_start, offset,
                 )
             )  # fmt: skip
     return tuple(specs)
@@ -311,28 +314,101 @@ def run_plan(plan: Sequence[ChunkCopy], direction: Direction) -> None:
         ids = copy.block_ids
         first, n = ids[0], len(ids)
         device = copy.specs[0].gpu.device
-        on_cpu = device.type == "cpu"
         run = ids == tuple(range(first, first + n))
         # Built on the host, then copied without blocking: ``torch.tensor(...,
         # device=cuda)`` would synchronize the current (copy) stream, which
         # has just been told to wait for the compute stream, on the loop thread.
         idx = None if run else torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
-        for spec in copy.specs:
-            gpu, slot = slot_views(copy, spec)
-            if idx is None:
-                if store:
-                    slot.copy_(gpu[first : first + n], non_blocking=not on_cpu)
-                else:
-                    gpu[first : first + n].copy_(slot, non_blocking=not on_cpu)
-            elif store:
-                if on_cpu and slot.is_contiguous():
-                    torch.index_select(gpu, 0, idx, out=slot)
-                else:
-                    slot.copy_(gpu.index_select(0, idx), non_blocking=not on_cpu)
-            elif on_cpu:
-                gpu.index_copy_(0, idx, slot)
+        for layer in _layers(copy.specs):
+            views = [slot_views(copy, spec) for spec in layer]
+            if not all(slot.is_contiguous() for _, slot in views):
+                _staged_layer(copy, layer, idx, store)
+                continue
+            _piecewise_layer(copy, layer, views, idx, store)
+
+
+def _layers(specs: Sequence[PieceSpec]) -> list[Sequence[PieceSpec]]:
+    """Split a group's specs into the runs that belong to one layer."""
+    out: list[Sequence[PieceSpec]] = []
+    start = 0
+    for i in range(1, len(specs) + 1):
+        if i == len(specs) or specs[i].layer_offset != specs[start].layer_offset:
+            out.append(specs[start:i])
+            start = i
+    return out
+
+
+def _staged_layer(
+    copy: ChunkCopy, layer: Sequence[PieceSpec], idx: torch.Tensor | None, store: bool
+) -> None:
+    """Copy one layer of a chunk through a device buffer laid out like its slot bytes.
+
+    A piece whose slot view is strided (several pieces per page, e.g. K and V
+    outside the block dim) would make torch stage a device <-> host copy
+    through pageable memory, which on CUDA returns only once the copy (and the
+    compute it waits for) is done: the loop thread would block. Instead the
+    pieces are gathered into (or scattered from) a device buffer of the
+    layer's ``n * payload`` slot bytes, which crosses to the host in one
+    contiguous, non-blocking copy. Bytes of the page that no piece covers
+    are stored as zeros.
+    """
+    ids = copy.block_ids
+    first, n = ids[0], len(ids)
+    spec0 = layer[0]
+    device = spec0.gpu.device
+    payload = spec0.payload
+    base = copy.slot_offset + spec0.layer_offset + copy.start * payload
+    region = copy.region[1][base : base + n * payload]
+    non_blocking = device.type != "cpu"
+    if store:
+        stage = torch.zeros(n * payload, dtype=torch.uint8, device=device)
+    else:
+        stage = torch.empty(n * payload, dtype=torch.uint8, device=device)
+        stage.copy_(region, non_blocking=non_blocking)
+    for spec in layer:
+        rel = spec.offset - spec.layer_offset  # the piece's start inside the page
+        if rel % spec.width == 0 and payload % spec.width == 0:
+            gpu, w, shape, strides = spec.gpu, spec.width, spec.shape, spec.strides
+        else:
+            gpu, w, shape, strides = spec.gpu8, 1, spec.shape8, spec.strides8
+        part = stage.view(gpu.dtype).as_strided((n, *shape), (payload // w, *strides), rel // w)
+        if store:
+            part.copy_(gpu[first : first + n] if idx is None else gpu.index_select(0, idx))
+        elif idx is None:
+            gpu[first : first + n].copy_(part)
+        else:
+            gpu.index_copy_(0, idx, part)
+    if store:
+        region.copy_(stage, non_blocking=non_blocking)
+
+
+def _piecewise_layer(
+    copy: ChunkCopy,
+    layer: Sequence[PieceSpec],
+    views: list[tuple[torch.Tensor, torch.Tensor]],
+    idx: torch.Tensor | None,
+    store: bool,
+) -> None:
+    """Copy one layer of a chunk piece by piece, straight between cache and slot views."""
+    ids = copy.block_ids
+    first, n = ids[0], len(ids)
+    device = layer[0].gpu.device
+    on_cpu = device.type == "cpu"
+    for gpu, slot in views:
+        if idx is None:
+            if store:
+                slot.copy_(gpu[first : first + n], non_blocking=not on_cpu)
             else:
-                gpu.index_copy_(0, idx, slot.to(device, non_blocking=True))
+                gpu[first : first + n].copy_(slot, non_blocking=not on_cpu)
+        elif store:
+            if on_cpu:
+                torch.index_select(gpu, 0, idx, out=slot)
+            else:
+                slot.copy_(gpu.index_select(0, idx), non_blocking=True)
+        elif on_cpu:
+            gpu.index_copy_(0, idx, slot)
+        else:
+            gpu.index_copy_(0, idx, slot.to(device, non_blocking=True))
 
 
 _UNITS_PER_THREAD = 4

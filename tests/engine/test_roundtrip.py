@@ -157,6 +157,75 @@ async def test_multi_piece_payload_prefix() -> None:
     assert int(flat[:, 170:].count_nonzero()) == 0
 
 
+async def test_multi_piece_pages_with_scattered_ids_and_partial_chunks() -> None:
+    # Pages of two pieces (K, then a prefix of V) make each piece's slot view
+    # strided; the torch path (CUDA) copies such a layer through one device
+    # buffer laid out like the slot bytes, the NumPy path piece by piece.
+    t = torch.empty((2, 16, 3, 40), dtype=torch.uint8)
+    u = torch.empty((2, 16, 4, 16), dtype=torch.float16)
+    fill_random(t, 18)
+    fill_random(u, 19)
+    layout = kvtier.KVLayout.from_tensors(
+        {0: {"kv": t, "kv2": u}}, block_dim=1, payload_nbytes={"kv": 170, "kv2": 200}
+    )
+    assert all(len(layer.pieces) == 2 for layer in layout.group(0).layers)
+    before = (t.clone(), u.clone())
+    chunks = [
+        kvtier.Chunk(key("s0", 0), [9, 2, 14, 5]),
+        kvtier.Chunk(key("s1", 0), [7, 0], offset=1),  # sub-blocks 1..2
+        kvtier.Chunk(key("s2", 0), [11, 12, 13]),  # consecutive ids
+    ]
+    async with kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 4)) as engine:
+        assert len((await engine.store(chunks)).stored) == 3
+        t.zero_()
+        u.zero_()
+        assert not (await engine.load(chunks)).failed
+    ids = [b for c in chunks for b in c.block_ids]
+    rest = sorted(set(range(16)) - set(ids))
+    for now, then, keep in ((t, before[0], 170), (u, before[1], 200)):
+        flat, flat_before = (x.movedim(1, 0).reshape(16, -1).view(torch.uint8) for x in (now, then))
+        assert same(flat[ids, :keep], flat_before[ids, :keep])
+        assert int(flat[:, keep:].count_nonzero()) == 0  # past the payload: never written
+        assert int(flat[rest].count_nonzero()) == 0  # blocks of no chunk: untouched
+
+
+async def test_torch_and_numpy_paths_lay_out_slots_alike(
+    copy_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The slot bytes are the NVMe row format: whichever path copied them (the
+    # torch one runs on CUDA hosts), a slot must hold the same bytes.
+    if copy_path == "torch":
+        pytest.skip("runs both paths itself")
+    t = torch.empty((2, 16, 3, 40), dtype=torch.uint8)
+    a = torch.empty((16, 2, 8, 16), dtype=torch.bfloat16)
+    fill_random(t, 28)
+    fill_random(a, 29)
+    layout = kvtier.KVLayout.from_tensors(
+        {0: {"kv": t, "a": a}}, block_dim={"kv": 1, "a": 0}, payload_nbytes={"kv": 170}
+    )
+    chunks = [
+        kvtier.Chunk(key("l0", 0), [9, 2, 14, 5]),
+        kvtier.Chunk(key("l1", 0), [7, 0], offset=1),
+        kvtier.Chunk(key("l2", 0), [11, 12, 13]),
+    ]
+    images = []
+    for host_pieces in (None, lambda *a, **k: None):  # NumPy path, then torch path
+        if host_pieces is not None:
+            monkeypatch.setattr("kvtier._engine.host_pieces", host_pieces)
+        async with kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 4)) as engine:
+            assert len((await engine.store(chunks)).stored) == 3
+            region = engine._region
+            assert region is not None
+            images.append(
+                [
+                    region.slot(engine._pool.get(c.key).slot, engine.slot_nbytes).clone()
+                    for c in chunks
+                ]
+            )
+    for numpy_slot, torch_slot in zip(*images, strict=True):
+        assert same(numpy_slot, torch_slot)
+
+
 async def test_partial_first_and_short_last_chunk() -> None:
     t = torch.empty((16, 256), dtype=torch.float16)
     fill_random(t, 9)
