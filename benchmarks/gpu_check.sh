@@ -13,7 +13,8 @@
 #     pytest-asyncio kvikio-cu13 libkvikio-cu13 'rapids-logger==0.3.*'
 # Then one device call (about 5 minutes):
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
-# What comes back under $OUT: pytest-gpu.log, bench.log, bench-gpu.json.
+# What comes back under $OUT: pytest-gpu.log, bench.log, bench-gpu.json,
+# bench-posix.log, bench-gpu-posix.json.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-$(mktemp -d)}
@@ -38,5 +39,9 @@ timeout 240 python3 -m pytest -q -p no:cacheprovider -W default \
     tests/engine/test_gpu.py tests/io/test_rowio.py 2>&1 | tee "$OUT/pytest-gpu.log"
 
 # The main job on real device buffers, kvikio where it loads.
-timeout 240 python3 -m kvtier.cli bench --size 1G --repeat 3 --dir /tmp \
+timeout 200 python3 -m kvtier.cli bench --size 1G --repeat 3 --dir /tmp \
     --json "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench.log"
+
+# The same with kvtier's own O_DIRECT threads instead of kvikio's host path.
+timeout 120 python3 -m kvtier.cli bench --size 1G --repeat 1 --dir /tmp --io-backend posix \
+    --json "$OUT/bench-gpu-posix.json" 2>&1 | tee "$OUT/bench-posix.log"
