@@ -1010,13 +1010,16 @@ class TransferEngine:
             or promotion is in flight (``PENDING``); None for a ``MISS``.
 
         Raises:
-            InvalidArgumentError: ``key`` is not an :class:`OffloadKey`.
+            InvalidArgumentError: ``key`` is not an :class:`OffloadKey`
+                (``UnknownGroupError``: its group is not in the layout, as
+                :meth:`lookup` says).
             EngineClosedError: the engine is not open.
 
         """
         self._check_open()
         if not isinstance(key, OffloadKey):
             raise InvalidArgumentError(f"expected a kvtier.OffloadKey, got {type(key).__name__}")
+        self.layout.group(key.group_id)  # raises UnknownGroupError
         return self._stored_range(key)
 
     def _stored_range(self, key: OffloadKey) -> tuple[int, int] | None:

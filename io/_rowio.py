@@ -282,8 +282,10 @@ def _each_buffer(
     done = 0
     for buf in bufs:
         nbytes = memoryview(buf).nbytes
+        if nbytes == 0:  # nothing to move; an empty iovec does not end the request
+            continue
         want = nbytes if limit is None else max(0, min(nbytes, limit - file_offset - done))
-        if want == 0:
+        if want == 0:  # at the end of the file
             break
         view = memoryview(buf).cast("B")[:want] if want < nbytes else buf
         try:
@@ -313,15 +315,17 @@ def _raise_kvikio_threads(kvikio: Any, threads: int) -> None:
 
     Requests of ``gds_threshold`` bytes (1 MiB) or more go through that pool;
     with one thread the tier's ``io_threads`` requests would run one at a
-    time. Never lowers a setting the process chose. kvikio >= 25.02 has
+    time. Never lowers a setting the process chose. Newer kvikio has
     ``defaults.get/set("num_threads")``; older releases
-    ``get_num_threads``/``set_num_threads``.
+    ``get_num_threads``/``num_threads_reset`` (their ``set_num_threads`` is a
+    context manager that changes nothing unless entered,
+    ``python/kvikio/kvikio/defaults.py``).
     """
-    defaults = kvikio.defaults
     try:
+        defaults = kvikio.defaults
         if hasattr(defaults, "get_num_threads"):
             if defaults.get_num_threads() < threads:
-                defaults.set_num_threads(threads)
+                defaults.num_threads_reset(threads)
         elif int(defaults.get("num_threads")) < threads:
             defaults.set("num_threads", threads)
     except Exception as exc:  # an API this code does not know: keep kvikio's setting
