@@ -551,7 +551,7 @@ class KVLayout:
 
     def __repr__(self) -> str:
         parts = ", ".join(
-            f"{g}: {len(gl.layers)} layers x {gl.block_payload_nbytes} B/block"
+            f"{g}: {len(gl.layers)} layers, {gl.block_payload_nbytes} B/block in all"
             for g, gl in self._groups.items()
         )
         return f"KVLayout({parts}; device={self.device})"
