@@ -1,4 +1,4 @@
-"""The ``kvtier`` command line: ``bench``, ``roundtrip`` and ``inspect``."""
+"""The ``kvtier`` command line: ``bench``, ``roundtrip``, ``inspect`` and ``remove``."""
 
 from __future__ import annotations
 
@@ -256,6 +256,29 @@ def inspect(root: str, as_json: bool) -> None:
             for seg in grp["segments"]:
                 if seg.get("error"):
                     click.echo(f"      {seg.get('file', '?')}: {seg['error']}")
+
+
+@main.command()
+@click.argument("root", type=click.Path(exists=True, file_okay=False))
+@click.argument("name")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def remove(root: str, name: str, yes: bool) -> None:
+    """Delete the namespace folder NAME under ROOT, with every row in it.
+
+    NAME as `kvtier inspect ROOT` lists it (<namespace>-<16 hex digits>),
+    e.g. the folder of an old layout, which engines never reuse. Refused
+    while a live engine holds it.
+    """
+    from kvtier.errors import InvalidArgumentError, NamespaceLockedError
+    from kvtier.io import remove_namespace
+
+    if not yes:
+        click.confirm(f"Delete {os.path.join(root, name)} and every row in it?", abort=True)
+    try:
+        freed = remove_namespace(root, name)
+    except (InvalidArgumentError, NamespaceLockedError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"removed {name}: {freed / 2**20:.1f} MiB freed")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ The engine uses :class:`NVMeTier` only; :class:`RowIO` backends and
 
 from kvtier.io._format import FORMAT_VERSION, format_digest
 from kvtier.io._inspect import inspect_root
+from kvtier.io._remove import remove_namespace
 from kvtier.io._rowio import AioRowIO, KvikioRowIO, PosixRowIO, RowIO, select_backend
 from kvtier.io._tier import NVMeTier
 
@@ -18,5 +19,6 @@ __all__ = [  # noqa: RUF022 - plain sorted() order, checked by a test
     "RowIO",
     "format_digest",
     "inspect_root",
+    "remove_namespace",
     "select_backend",
 ]

@@ -20,10 +20,12 @@ from kvtier.io._format import (
     is_blank,
 )
 
-__all__ = ["inspect_root"]
+__all__ = ["REMOVING_PREFIX", "inspect_root", "is_namespace"]
 
 _GROUP_NAME = re.compile(r"g(0|[1-9][0-9]*)")
 _NAMESPACE_NAME = re.compile(r".+-[0-9a-f]{16}")  # <namespace>-<digest16>, as the tier names it
+REMOVING_PREFIX = ".kvtier-removing-"
+"""Name prefix of a namespace directory that ``kvtier remove`` is deleting."""
 
 
 def _invalid_segment(info: dict[str, Any], error: str) -> dict[str, Any]:
@@ -150,8 +152,13 @@ def _lock_holder(lock: pathlib.Path) -> int | None:
         os.close(fd)
 
 
-def _is_namespace(path: pathlib.Path) -> bool:
-    """A folder named like a namespace directory, or holding a ``format.json``."""
+def is_namespace(path: pathlib.Path) -> bool:
+    """A folder named like a namespace directory, or holding a ``format.json``.
+
+    Not one that ``kvtier remove`` is deleting (``.kvtier-removing-*``).
+    """
+    if path.name.startswith(REMOVING_PREFIX):
+        return False
     try:
         return path.is_dir() and (
             _NAMESPACE_NAME.fullmatch(path.name) is not None or (path / "format.json").is_file()
@@ -194,7 +201,7 @@ def inspect_root(root: str | os.PathLike[str]) -> dict[str, Any]:
     """
     base = pathlib.Path(root)
     namespaces = []
-    for directory in sorted(p for p in base.iterdir() if _is_namespace(p)):
+    for directory in sorted(p for p in base.iterdir() if is_namespace(p)):
         errors: list[str] = []
         fmt, digest = _read_format(directory, errors)
         groups: dict[int, dict[str, Any]] = {}

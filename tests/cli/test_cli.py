@@ -23,6 +23,7 @@ def kvtier(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         [sys.executable, "-m", "kvtier.cli", *args],
         cwd=cwd,
         env=env,
+        stdin=subprocess.DEVNULL,  # a prompt reads end of file, never waits
         capture_output=True,
         text=True,
         timeout=300,
@@ -175,7 +176,8 @@ def test_bench_without_nvme_reports_no_nvme_figures(tmp_path: Path) -> None:
     assert "nvme_write" not in res.stdout
 
 
-def test_inspect_lists_namespaces_and_rows(tmp_path: Path) -> None:
+def _store_rows(root: Path) -> None:
+    """An engine in a child process stores 5 keys (3 in group 0, 2 in group 1) under ``root``."""
     code = textwrap.dedent(
         """
         import asyncio, sys, torch, kvtier
@@ -194,7 +196,11 @@ def test_inspect_lists_namespaces_and_rows(tmp_path: Path) -> None:
         asyncio.run(main(sys.argv[1]))
         """
     )
-    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=120, cwd=REPO)
+    subprocess.run([sys.executable, "-c", code, str(root)], check=True, timeout=120, cwd=REPO)
+
+
+def test_inspect_lists_namespaces_and_rows(tmp_path: Path) -> None:
+    _store_rows(tmp_path)
     res = kvtier("inspect", str(tmp_path), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert "namespace=ns1" in res.stdout
@@ -207,6 +213,36 @@ def test_inspect_lists_namespaces_and_rows(tmp_path: Path) -> None:
     g0 = ns["groups"]["0"]
     assert 3 <= g0["allocated_rows"] <= g0["rows"]
     assert f"g0: rows={g0['allocated_rows']} (of {g0['rows']} " in res.stdout
+
+
+def test_remove_asks_refuses_a_held_namespace_and_frees_it_once_released(
+    tmp_path: Path,
+) -> None:
+    import fcntl
+
+    _store_rows(tmp_path)
+    (name,) = [p.name for p in tmp_path.iterdir() if p.name.startswith("ns1-")]
+    res = kvtier("remove", str(tmp_path), name, cwd=tmp_path)  # no --yes, no answer
+    assert res.returncode == 1
+    assert "Aborted" in res.stderr
+    assert (tmp_path / name / "format.json").is_file()
+    fd = os.open(tmp_path / name / "lock", os.O_RDWR)  # this process plays a live engine
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        res = kvtier("remove", str(tmp_path), name, "--yes", cwd=tmp_path)
+        assert res.returncode == 1
+        assert f"held by a live engine (pid {os.getpid()})" in res.stderr
+        assert (tmp_path / name / "format.json").is_file()
+    finally:
+        os.close(fd)
+    res = kvtier("remove", str(tmp_path), name, "--yes", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert f"removed {name}:" in res.stdout
+    assert list(tmp_path.iterdir()) == []
+    res = kvtier("remove", str(tmp_path), "../etc", "--yes", cwd=tmp_path)
+    assert res.returncode == 1
+    assert "expected the name of a namespace directory" in res.stderr
 
 
 def test_bench_stopped_by_sigterm_removes_its_directory(tmp_path: Path) -> None:

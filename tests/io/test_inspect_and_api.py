@@ -30,6 +30,7 @@ def test_all_is_sorted_and_complete() -> None:
         "RowIO",
         "format_digest",
         "inspect_root",
+        "remove_namespace",
         "select_backend",
     }
     for name in kvtier.io.__all__:

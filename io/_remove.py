@@ -1,0 +1,96 @@
+"""``kvtier remove ROOT NAME``: delete one namespace directory that no live engine holds.
+
+Files of another format (an old layout, dtype, block size or row size) stay
+on disk and are never reused; this is how an operator frees their space.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import pathlib
+import shutil
+
+from kvtier.errors import InvalidArgumentError, NamespaceLockedError
+from kvtier.io._inspect import REMOVING_PREFIX, is_namespace
+
+__all__ = ["remove_namespace"]
+
+
+def remove_namespace(root: str | os.PathLike[str], name: str) -> int:
+    """Delete the namespace directory ``root/name`` and every row in it (blocks).
+
+    Takes the namespace's lock first, as an engine opening it does, so the
+    directory of a live engine is never touched. Holding the lock, it renames
+    the directory to a hidden ``.kvtier-removing-<pid>-<name>`` under
+    ``root`` (an engine that opens the namespace from then on starts a fresh,
+    empty directory), then deletes that. A removal interrupted after the
+    rename leaves the hidden directory; pass its name to finish it.
+
+    Args:
+        root: the NVMe root (``NVMeConfig.root``).
+        name: the directory's name as ``kvtier inspect ROOT`` lists it
+            (``<namespace>-<16 hex digits>``): a plain name, no path.
+
+    Returns:
+        The disk space its files held, in bytes (``st_blocks * 512``).
+
+    Raises:
+        InvalidArgumentError: ``name`` is not a plain name, or ``root/name``
+            is not a namespace directory (a symlink is refused too); nothing
+            is deleted.
+        NamespaceLockedError: a live engine holds the namespace; nothing is
+            deleted.
+        OSError: the rename or the deletion failed (what is left stays under
+            the name the message gives).
+
+    """
+    base = pathlib.Path(root)
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
+        raise InvalidArgumentError(
+            f"expected the name of a namespace directory under {root}, got {name!r}"
+        )
+    path = base / name
+    if path.is_symlink() or not (is_namespace(path) or name.startswith(REMOVING_PREFIX)):
+        raise InvalidArgumentError(
+            f"{str(path)!r} is not a kvtier namespace directory (see `kvtier inspect {root}`)"
+        )
+    if not path.is_dir():
+        raise InvalidArgumentError(f"{str(path)!r} is not a directory")
+    fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise NamespaceLockedError(
+                f"{str(path)!r} is held by a live engine (pid {pid}); close it first"
+            ) from exc
+        freed = _disk_bytes(path)
+        if name.startswith(REMOVING_PREFIX):
+            doomed = path
+        else:
+            doomed = base / f"{REMOVING_PREFIX}{os.getpid()}-{name}"
+            os.rename(path, doomed)
+        try:
+            shutil.rmtree(doomed)
+        except OSError as exc:
+            raise OSError(
+                exc.errno, f"could not delete all of {str(doomed)!r} (rerun with that name): {exc}"
+            ) from exc
+        return freed
+    finally:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _disk_bytes(path: pathlib.Path) -> int:
+    """Bytes of disk the regular files under ``path`` hold (links not followed)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+    return total
