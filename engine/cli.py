@@ -248,10 +248,9 @@ def inspect(root: str, as_json: bool) -> None:
             click.echo(f"    error: {err}")
         for g, grp in sorted(ns["groups"].items(), key=lambda kv: int(kv[0])):
             click.echo(
-                f"    g{g}: rows={grp['allocated_rows']} (of {grp['rows']} its present "
-                "segment files may grow to; more files follow as needed) "
-                f"valid={grp['valid_rows']} invalid={grp['invalid_rows']} "
-                f"segments={len(grp['segments'])}"
+                f"    g{g}: {grp['allocated_rows']} rows allocated, {grp['valid_rows']} valid, "
+                f"{grp['invalid_rows']} invalid, in {len(grp['segments'])} segment file(s) "
+                f"that can grow to {grp['rows']} rows (the tier adds files as it needs them)"
             )
             for seg in grp["segments"]:
                 if seg.get("error"):
