@@ -895,7 +895,7 @@ class TransferEngine:
                 # Pinned for the call: a store or promotion that needs room while
                 # the call's reads run must not evict a key reported resident.
                 self._pool.pin(key)
-                self._pool.touch(key)
+                self._pool.refresh(key)  # a hint, not a use: the load that follows is one
                 resident.append(key)
             elif entry is None and self._nvme is not None and self._nvme.contains(key):
                 promote.append(key)
@@ -909,6 +909,10 @@ class TransferEngine:
         finally:
             for key in (*resident, *promoted):
                 self._pool.unpin(key)  # resident and evictable, like a stored key
+        for key in promoted:
+            entry = self._pool.get(key)
+            if entry is not None:
+                entry.hinted = True  # its first load is its first use for the policy
         return PrefetchResult(tuple(promoted), tuple(resident), failed)
 
     def _withdraw(self, direction: Direction, call: _Call) -> bool:

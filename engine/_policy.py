@@ -22,7 +22,12 @@ class EvictionPolicy(Protocol):
         """A key became resident."""
 
     def touch(self, key: Hashable) -> None:
-        """A resident key was hit (loaded or stored again)."""
+        """A resident key was hit (loaded or stored again).
+
+        A policy may also have ``refresh(key)``: a prefetch hint that the key
+        is needed soon, which must not count as an access (without it the
+        pool calls ``touch``).
+        """
 
     def remove(self, key: Hashable, *, evicted: bool) -> None:
         """A key left the tier; ``evicted`` is True when the policy chose it."""
@@ -50,6 +55,10 @@ class LRUPolicy:
         """Mark ``key`` most recently used (no-op when absent)."""
         if key in self._order:
             self._order.move_to_end(key)
+
+    def refresh(self, key: Hashable) -> None:
+        """A hint that ``key`` is needed soon: for LRU the same as :meth:`touch`."""
+        self.touch(key)
 
     def remove(self, key: Hashable, *, evicted: bool) -> None:
         """Forget ``key``."""
@@ -109,6 +118,13 @@ class ARCPolicy:
             self.t2[key] = None
         elif key in self.t2:
             self.t2.move_to_end(key)
+
+    def refresh(self, key: Hashable) -> None:
+        """A hint that ``key`` is needed soon: MRU end of its own list (not an access)."""
+        for live in (self.t1, self.t2):
+            if key in live:
+                live.move_to_end(key)
+                return
 
     def remove(self, key: Hashable, *, evicted: bool) -> None:
         """Drop ``key``; an evicted key is remembered in its ghost list."""

@@ -49,6 +49,8 @@ class SlotEntry:
         writing: True until the store's copy completed.
         refs: pins held by loads and NVMe writes.
         payload_nbytes: bytes of payload the key actually uses (for waste stats).
+        hinted: made resident by a prefetch and not used since (its first use
+            is then its first hit for the policy, see :meth:`SlotPool.touch`).
 
     """
 
@@ -59,6 +61,7 @@ class SlotEntry:
     writing: bool
     refs: int
     payload_nbytes: int
+    hinted: bool = False
 
     @property
     def state(self) -> SlotState:
@@ -198,8 +201,30 @@ class SlotPool:
         entry.refs -= 1
 
     def touch(self, key: OffloadKey) -> None:
-        """Tell the policy that ``key`` was hit."""
-        self.policy.touch(key)
+        """Tell the policy that ``key`` was hit (a load, or a store of a present key).
+
+        The first use of a key that a prefetch made resident is its first
+        access, not its second: the policy only refreshes it (``refresh``).
+        """
+        entry = self._entries.get(key)
+        if entry is not None and entry.hinted:
+            entry.hinted = False
+            self.refresh(key)
+        else:
+            self.policy.touch(key)
+
+    def refresh(self, key: OffloadKey) -> None:
+        """Tell the policy that ``key`` will be needed soon (a prefetch hint, not a use).
+
+        Policies with a ``refresh(key)`` method move the key to the most
+        recently used end of where it is (ARC: of its own list, so a hint
+        never counts as a second access); others get ``touch``.
+        """
+        refresh = getattr(self.policy, "refresh", None)
+        if refresh is not None:
+            refresh(key)
+        else:
+            self.policy.touch(key)
 
 
 class HostRegion:

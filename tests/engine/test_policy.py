@@ -89,3 +89,41 @@ def test_pool_never_evicts_keys_of_the_same_call_and_is_atomic() -> None:
     )
     assert evicted == [k[0], k[1]]
     assert len(entries) == 2
+
+
+def test_refresh_moves_a_key_within_its_own_arc_list_and_falls_back_to_touch() -> None:
+    arc = ARCPolicy(4)
+    for i in range(3):
+        arc.insert(key(i, 0))
+    arc.touch(key(2, 0))  # 2 used twice: T2
+    arc.refresh(key(0, 0))  # a hint: MRU of T1, not T2
+    assert list(arc.t1) == [key(1, 0), key(0, 0)]
+    assert list(arc.t2) == [key(2, 0)]
+    arc.refresh(key(9, 0))  # not resident: nothing happens
+    assert len(arc.t1) + len(arc.t2) == 3
+
+    class TouchOnly:  # a plugged-in policy without refresh
+        def __init__(self) -> None:
+            self.inner = LRUPolicy()
+            self.touched: list[object] = []
+
+        def insert(self, k: object) -> None:
+            self.inner.insert(k)
+
+        def touch(self, k: object) -> None:
+            self.touched.append(k)
+            self.inner.touch(k)
+
+        def remove(self, k: object, *, evicted: bool) -> None:
+            self.inner.remove(k, evicted=evicted)
+
+        def candidates(self):  # type: ignore[no-untyped-def]
+            return self.inner.candidates()
+
+    policy = TouchOnly()
+    pool = SlotPool(2, policy)
+    reserved, _, _ = pool.reserve([(key(0, 0), 0, 1, 16)], protect=set())
+    assert len(reserved) == 1
+    pool.commit(key(0, 0))
+    pool.refresh(key(0, 0))
+    assert policy.touched == [key(0, 0)]

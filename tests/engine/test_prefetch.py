@@ -203,3 +203,45 @@ def test_background_engine_prefetch(tmp_path: Path) -> None:
         assert len(out.loaded) == 4
         assert engine.stats().nvme_hits == 0
     assert same(t[:8], before[:8])
+
+
+async def test_under_arc_a_prefetch_is_a_hint_not_a_use(tmp_path: Path) -> None:
+    # ARC's T1 holds keys used once, T2 keys used twice or more. A prefetch
+    # followed by one load is ONE use, as a cold load is: the key stays in T1;
+    # a second load moves it to T2. A prefetch of a resident key refreshes it
+    # in its own list without promoting it.
+    import dataclasses
+
+    layout, _ = await _stored_on_nvme(tmp_path)
+    chunks = _chunks()
+    config = dataclasses.replace(_config(tmp_path), eviction="arc")
+    async with kvtier.TransferEngine(layout, config) as engine:
+        arc = engine._pool.policy
+        assert isinstance(arc, kvtier._policy.ARCPolicy)
+        prefetched, cold = chunks[0], chunks[1]
+        await engine.prefetch([prefetched.key])
+        assert not (await engine.load([prefetched, cold])).failed  # one use each
+        assert prefetched.key in arc.t1
+        assert cold.key in arc.t1
+        assert not arc.t2
+        await engine.prefetch([prefetched.key, cold.key])  # resident: hints only
+        assert list(arc.t1)[-2:] == [prefetched.key, cold.key]  # refreshed, still T1
+        assert not arc.t2
+        assert not (await engine.load([prefetched])).failed  # a second use
+        assert prefetched.key in arc.t2
+        assert cold.key in arc.t1
+
+
+async def test_under_lru_a_prefetch_of_a_resident_key_protects_it_from_eviction(
+    tmp_path: Path,
+) -> None:
+    layout, _ = await _stored_on_nvme(tmp_path)
+    chunks = _chunks()
+    async with kvtier.TransferEngine(layout, _config(tmp_path, slots=3)) as engine:
+        assert not (await engine.load(chunks[:3])).failed  # fills the 3 slots, 0 oldest
+        await engine.prefetch([chunks[0].key])  # needed soon
+        assert not (await engine.load([chunks[3]])).failed  # evicts one
+        assert engine.lookup([chunks[0].key, chunks[1].key]) == [
+            kvtier.Residency.CPU,
+            kvtier.Residency.NVME,
+        ]
