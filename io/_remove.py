@@ -11,6 +11,7 @@ import fcntl
 import os
 import pathlib
 import shutil
+import stat
 
 from kvtier.errors import InvalidArgumentError, NamespaceLockedError
 from kvtier.io._inspect import REMOVING_PREFIX, is_namespace
@@ -37,9 +38,9 @@ def remove_namespace(root: str | os.PathLike[str], name: str) -> int:
         The disk space its files held, in bytes (``st_blocks * 512``).
 
     Raises:
-        InvalidArgumentError: ``name`` is not a plain name, or ``root/name``
-            is not a namespace directory (a symlink is refused too); nothing
-            is deleted.
+        InvalidArgumentError: ``name`` is not a plain name, ``root/name``
+            is not a namespace directory (a symlink is refused too), or its
+            ``lock`` is not a regular file; nothing is deleted.
         NamespaceLockedError: a live engine holds the namespace; nothing is
             deleted.
         OSError: the rename or the deletion failed (what is left stays under
@@ -58,7 +59,14 @@ def remove_namespace(root: str | os.PathLike[str], name: str) -> int:
         )
     if not path.is_dir():
         raise InvalidArgumentError(f"{str(path)!r} is not a directory")
-    fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        fd = os.open(path / "lock", flags, 0o644)
+    except OSError as exc:  # a symlink, a directory...: not a lock an engine made
+        raise InvalidArgumentError(f"cannot take the lock of {str(path)!r}: {exc}") from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or a device
+        os.close(fd)
+        raise InvalidArgumentError(f"{str(path / 'lock')!r} is not a regular file")
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

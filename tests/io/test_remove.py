@@ -113,3 +113,23 @@ async def test_an_interrupted_removal_is_finished_by_name(tmp_path, slots) -> No
     assert inspect_root(root)["namespaces"] == []  # not listed as a namespace
     assert remove_namespace(root, hidden.name) > 0
     assert list(root.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory", "fifo"])
+async def test_refuses_a_lock_that_is_not_a_regular_file(tmp_path, slots, kind) -> None:
+    root = tmp_path / "nvme"
+    tier = await _tier_with_rows(root, slots, GROUP_NBYTES)
+    await tier.close()
+    lock = tier.directory / "lock"
+    lock.unlink()
+    outside = tmp_path / "outside"
+    if kind == "symlink":
+        lock.symlink_to(outside)  # O_CREAT would make a file outside the root
+    elif kind == "directory":
+        lock.mkdir()
+    else:
+        os.mkfifo(lock)
+    with pytest.raises(InvalidArgumentError, match="lock"):
+        remove_namespace(root, tier.directory.name)
+    assert (tier.directory / "format.json").is_file()
+    assert not outside.exists()
