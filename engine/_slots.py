@@ -145,7 +145,9 @@ class SlotPool:
                     break
         for entry in victims:
             del self._entries[entry.key]
-            self.policy.remove(entry.key, evicted=True)
+            # A key a prefetch brought in and nothing used was never accessed:
+            # no ghost (ARC would count its next cold load as a second use).
+            self.policy.remove(entry.key, evicted=not entry.hinted)
             self._free.append(entry.slot)
         self.evictions += len(victims)
         for key, *_ in requests:

@@ -275,7 +275,7 @@ def remove(root: str, name: str, yes: bool) -> None:
         click.confirm(f"Delete {os.path.join(root, name)} and every row in it?", abort=True)
     try:
         freed = remove_namespace(root, name)
-    except (InvalidArgumentError, NamespaceLockedError) as exc:
+    except (InvalidArgumentError, NamespaceLockedError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"removed {name}: {freed / 2**20:.1f} MiB freed")
 

@@ -110,6 +110,45 @@ def prepare_directory(root: pathlib.Path, directory: pathlib.Path, format_json: 
     """
     if root.exists() and not root.is_dir():
         raise ConfigError(f"NVMe root {str(root)!r} exists and is not a directory")
+    for _ in range(3):
+        fd = _lock_directory(directory)
+        if fd is not None:
+            break
+    else:
+        raise NamespaceLockedError(
+            f"NVMe namespace {str(directory)!r} was removed and recreated three times while "
+            "this engine opened it (kvtier remove running against a live root?)"
+        )
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        path = directory / "format.json"
+        if not path.exists() or path.read_text(errors="replace") != format_json:
+            tmp = directory / "format.json.tmp"
+            tmp.write_text(format_json)
+            os.replace(tmp, path)
+        for stale in directory.glob(f"g*/*{SEGMENT_SUFFIX}.tmp"):
+            stale.unlink()
+    except OSError as exc:
+        release_lock(fd)
+        raise ConfigError(f"NVMe directory {str(directory)!r} is not writable: {exc}") from exc
+    return fd
+
+
+def _lock_directory(directory: pathlib.Path) -> int | None:
+    """Create ``directory`` if needed and take the flock of its ``lock`` file.
+
+    Returns:
+        The locked descriptor, or None when the lock file was replaced while
+        this call took it (``kvtier remove`` deleted the folder, and maybe
+        an engine made it anew): the flock then sits on a deleted file, and
+        the caller must try again.
+
+    Raises:
+        ConfigError: the directory cannot be created or written.
+        NamespaceLockedError: another live process (or tier) holds the lock.
+
+    """
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -127,20 +166,20 @@ def prepare_directory(root: pathlib.Path, directory: pathlib.Path, format_json: 
         raise NamespaceLockedError(
             f"NVMe namespace {str(directory)!r} is locked by another live engine"
         ) from exc
-    try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        path = directory / "format.json"
-        if not path.exists() or path.read_text(errors="replace") != format_json:
-            tmp = directory / "format.json.tmp"
-            tmp.write_text(format_json)
-            os.replace(tmp, path)
-        for stale in directory.glob(f"g*/*{SEGMENT_SUFFIX}.tmp"):
-            stale.unlink()
-    except OSError as exc:
+    if not same_file(fd, directory / "lock"):
         release_lock(fd)
-        raise ConfigError(f"NVMe directory {str(directory)!r} is not writable: {exc}") from exc
+        return None
     return fd
+
+
+def same_file(fd: int, path: pathlib.Path) -> bool:
+    """Whether ``path`` (not followed if a symlink) is still the file ``fd`` has open."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def release_lock(fd: int) -> None:

@@ -10,13 +10,17 @@ import contextlib
 import fcntl
 import os
 import pathlib
+import secrets
 import shutil
 import stat
 
 from kvtier.errors import InvalidArgumentError, NamespaceLockedError
+from kvtier.io._files import same_file
 from kvtier.io._inspect import REMOVING_PREFIX, is_namespace
 
 __all__ = ["remove_namespace"]
+
+_NAME_MAX = 255  # bytes in one path component (Linux NAME_MAX)
 
 
 def remove_namespace(root: str | os.PathLike[str], name: str) -> int:
@@ -24,7 +28,7 @@ def remove_namespace(root: str | os.PathLike[str], name: str) -> int:
 
     Takes the namespace's lock first, as an engine opening it does, so the
     directory of a live engine is never touched. Holding the lock, it renames
-    the directory to a hidden ``.kvtier-removing-<pid>-<name>`` under
+    the directory to a hidden ``.kvtier-removing-<pid>-<random>-<name>`` under
     ``root`` (an engine that opens the namespace from then on starts a fresh,
     empty directory), then deletes that. A removal interrupted after the
     rename leaves the hidden directory; pass its name to finish it.
@@ -48,17 +52,25 @@ def remove_namespace(root: str | os.PathLike[str], name: str) -> int:
 
     """
     base = pathlib.Path(root)
-    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
+    if (
+        not isinstance(name, str)
+        or name in ("", ".", "..")
+        or "/" in name
+        or "\0" in name
+        or len(os.fsencode(name)) > _NAME_MAX
+    ):
         raise InvalidArgumentError(
-            f"expected the name of a namespace directory under {root}, got {name!r}"
+            f"expected the name of a namespace directory under {root}, got {name!r:.300}"
         )
     path = base / name
-    if path.is_symlink() or not (is_namespace(path) or name.startswith(REMOVING_PREFIX)):
-        raise InvalidArgumentError(
-            f"{str(path)!r} is not a kvtier namespace directory (see `kvtier inspect {root}`)"
-        )
-    if not path.is_dir():
-        raise InvalidArgumentError(f"{str(path)!r} is not a directory")
+    try:
+        listed = is_namespace(path) or name.startswith(REMOVING_PREFIX)
+        if path.is_symlink() or not listed or not path.is_dir():
+            raise InvalidArgumentError(
+                f"{str(path)!r} is not a kvtier namespace directory (see `kvtier inspect {root}`)"
+            )
+    except OSError as exc:
+        raise InvalidArgumentError(f"cannot look at {str(path)!r}: {exc}") from exc
     flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
         fd = os.open(path / "lock", flags, 0o644)
@@ -75,11 +87,16 @@ def remove_namespace(root: str | os.PathLike[str], name: str) -> int:
             raise NamespaceLockedError(
                 f"{str(path)!r} is held by a live engine (pid {pid}); close it first"
             ) from exc
+        if not same_file(fd, path / "lock"):
+            raise InvalidArgumentError(
+                f"{str(path)!r} was removed or recreated while this call locked it "
+                f"(another removal, then an engine?): see `kvtier inspect {root}` again"
+            )
         freed = _disk_bytes(path)
         if name.startswith(REMOVING_PREFIX):
             doomed = path
         else:
-            doomed = base / f"{REMOVING_PREFIX}{os.getpid()}-{name}"
+            doomed = base / f"{REMOVING_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{name}"
             os.rename(path, doomed)
         try:
             shutil.rmtree(doomed)
