@@ -429,9 +429,7 @@ class TransferEngine:
             )
         keys = list(keys)
         for key in keys:
-            if not isinstance(key, OffloadKey):
-                raise InvalidArgumentError(f"expected kvtier.OffloadKey, got {type(key).__name__}")
-            self.layout.group(key.group_id)  # raises UnknownGroupError
+            self._check_key(key)
         out = []
         for key in keys:
             entry = self._pool.get(key)
@@ -460,6 +458,17 @@ class TransferEngine:
         return n
 
     # ------------------------------------------------------------------ validation
+    def _check_key(self, key: object) -> None:
+        """Raise unless ``key`` is an :class:`OffloadKey` of a group of the layout.
+
+        Raises:
+            InvalidArgumentError: not an OffloadKey; ``UnknownGroupError`` for
+                a group the layout does not have.
+        """
+        if not isinstance(key, OffloadKey):
+            raise InvalidArgumentError(f"expected kvtier.OffloadKey, got {type(key).__name__}")
+        self.layout.group(key.group_id)  # raises UnknownGroupError
+
     def _validate(self, chunks: Sequence[Chunk], *, load: bool) -> list[Chunk]:
         """Check a call's chunks; return the list that was checked (use that one).
 
@@ -863,9 +872,7 @@ class TransferEngine:
         keys = list(keys)  # one snapshot: checked and used
         seen: set[OffloadKey] = set()
         for key in keys:
-            if not isinstance(key, OffloadKey):
-                raise InvalidArgumentError(f"expected kvtier.OffloadKey, got {type(key).__name__}")
-            self.layout.group(key.group_id)  # raises UnknownGroupError
+            self._check_key(key)
             if key in seen:
                 raise DuplicateKeyError(f"{key} appears twice in one call")
             seen.add(key)
@@ -1021,9 +1028,7 @@ class TransferEngine:
 
         """
         self._check_open()
-        if not isinstance(key, OffloadKey):
-            raise InvalidArgumentError(f"expected a kvtier.OffloadKey, got {type(key).__name__}")
-        self.layout.group(key.group_id)  # raises UnknownGroupError
+        self._check_key(key)
         return self._stored_range(key)
 
     def _stored_range(self, key: OffloadKey) -> tuple[int, int] | None:

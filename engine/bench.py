@@ -278,15 +278,12 @@ class _Baselines:
         """
         offsets = range(0, self.total, self.req)
         sizes = [min(self.req, self.total - off) for off in offsets]
+
+        def hash_of(i: int) -> concurrent.futures.Future[int]:
+            return self.hash_pool.submit(payload_checksum, self._mv(offsets[i], sizes[i]))
+
         t0 = time.perf_counter()
-        hashes = (
-            [
-                self.hash_pool.submit(payload_checksum, self._mv(off, n))
-                for off, n in zip(offsets, sizes, strict=True)
-            ]
-            if checksum and write
-            else []
-        )
+        hashes = [hash_of(i) for i in range(len(offsets))] if checksum and write else []
         if isinstance(self.io, AioRowIO):  # the same requests, queued in the kernel
             submit = self.io.submit_pwritev if write else self.io.submit_preadv
             futs = []
@@ -297,9 +294,7 @@ class _Baselines:
             for i, fut in enumerate(futs):
                 _whole(fut.result(), sizes[i], "raw request")
                 if checksum and not write:
-                    hashes.append(
-                        self.hash_pool.submit(payload_checksum, self._mv(offsets[i], sizes[i]))
-                    )
+                    hashes.append(hash_of(i))
         else:
             op = self.io.pwritev if write else self.io.preadv
 
@@ -308,9 +303,7 @@ class _Baselines:
                     hashes[i].result()
                 _whole(op(h, [self._mv(offsets[i], sizes[i])], offsets[i]), sizes[i], "raw request")
                 if checksum and not write:  # verified on the hashing threads, as kvtier does
-                    hashes.append(
-                        self.hash_pool.submit(payload_checksum, self._mv(offsets[i], sizes[i]))
-                    )
+                    hashes.append(hash_of(i))
 
             self._parallel(one, len(offsets))
         for fut in hashes:
