@@ -301,7 +301,12 @@ class HostRegion:
         return memoryview(self._mmap)[index * slot_nbytes : (index + 1) * slot_nbytes]
 
     def close(self) -> None:
-        """Unregister and unmap. The tensor views must not be used afterwards."""
+        """Unregister and unmap; a second call does nothing.
+
+        The tensor views must not be used afterwards.
+        """
+        if self._mmap.closed or not hasattr(self, "tensor"):
+            return
         if self._registered:  # pragma: no cover - CUDA hosts only
             cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
             cudart.cudaHostUnregister(self.tensor.data_ptr())

@@ -39,7 +39,8 @@ def remove_namespace(root: str | os.PathLike[str], name: str) -> int:
             (``<namespace>-<16 hex digits>``): a plain name, no path.
 
     Returns:
-        The disk space its files held, in bytes (``st_blocks * 512``).
+        The disk space freed, in bytes (``st_blocks * 512`` of each file
+        whose hard links were all inside the directory).
 
     Raises:
         InvalidArgumentError: ``name`` is not a plain name, ``root/name``
@@ -112,10 +113,16 @@ def remove_namespace(root: str | os.PathLike[str], name: str) -> int:
 
 
 def _disk_bytes(path: pathlib.Path) -> int:
-    """Bytes of disk the regular files under ``path`` hold (links not followed)."""
-    total = 0
+    """Bytes of disk that deleting the files under ``path`` frees (links not followed).
+
+    A file counts once, and only when every one of its hard links is under
+    ``path``: a link kept elsewhere keeps its blocks allocated.
+    """
+    seen: dict[tuple[int, int], list[int]] = {}  # (dev, ino) -> [links here, st_nlink, bytes]
     for dirpath, _, files in os.walk(path):
         for f in files:
             with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
-    return total
+                st = os.lstat(os.path.join(dirpath, f))
+                entry = seen.setdefault((st.st_dev, st.st_ino), [0, st.st_nlink, st.st_blocks])
+                entry[0] += 1
+    return sum(blocks * 512 for here, nlink, blocks in seen.values() if here >= nlink)

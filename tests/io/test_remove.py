@@ -133,3 +133,22 @@ async def test_refuses_a_lock_that_is_not_a_regular_file(tmp_path, slots, kind) 
         remove_namespace(root, tier.directory.name)
     assert (tier.directory / "format.json").is_file()
     assert not outside.exists()
+
+
+async def test_freed_bytes_leave_out_files_linked_from_elsewhere(tmp_path, slots) -> None:
+    """A segment hard-linked outside the namespace keeps its blocks: not counted as freed."""
+    root = tmp_path / "nvme"
+    tier = await _tier_with_rows(root, slots, GROUP_NBYTES)
+    await tier.close()
+    segments = sorted(p for p in tier.directory.rglob("*") if p.is_file() and p.stat().st_blocks)
+    everything = sum(p.lstat().st_blocks * 512 for p in tier.directory.rglob("*") if p.is_file())
+    kept = segments[0]
+    kept_bytes = kept.stat().st_blocks * 512
+    assert kept_bytes > 0
+    outside = tmp_path / "backup.seg"
+    os.link(kept, outside)
+    assert len(segments) > 1
+    os.link(segments[-1], segments[-1].with_name("again"))  # two links inside count once
+    freed = remove_namespace(root, tier.directory.name)
+    assert freed == everything - kept_bytes
+    assert outside.stat().st_blocks * 512 == kept_bytes  # the blocks are still allocated

@@ -867,6 +867,20 @@ def test_host_region_closed_before_prefault(pin: bool) -> None:
     assert region.host_views == {}
 
 
+def test_host_region_close_twice_is_a_no_op() -> None:
+    region = HostRegion(2 * 4096, pin=False)
+    region.prefault()
+    view = region.buffer(0, 4096)  # still exported: the unmap waits for the view
+    region.close()
+    region.close()
+    assert region.views == {}
+    view.release()
+    other = HostRegion(4096, pin=False)
+    other.close()
+    other.close()
+    assert other._mmap.closed
+
+
 async def test_engine_start_prefaults_without_pinning_on_cpu() -> None:
     layout, _ = _one_group_layout()
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(4 << 20, 2)) as engine:
