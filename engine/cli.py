@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import sys
+import time
 from typing import Any
 
 import click
@@ -244,6 +245,7 @@ def inspect(root: str, as_json: bool) -> None:
             f"blocks_per_chunk={fmt.get('blocks_per_chunk', '?')} "
             f"locked_by_pid={ns.get('locked_by_pid')}"
         )
+        click.echo(f"    {_format_summary(fmt, ns.get('last_written'))}")
         for err in ns.get("errors", []):
             click.echo(f"    error: {err}")
         for g, grp in sorted(ns["groups"].items(), key=lambda kv: int(kv[0])):
@@ -255,6 +257,31 @@ def inspect(root: str, as_json: bool) -> None:
             for seg in grp["segments"]:
                 if seg.get("error"):
                     click.echo(f"      {seg.get('file', '?')}: {seg['error']}")
+
+
+def _format_summary(fmt: dict[str, Any], last_written: float | None) -> str:
+    """One line that tells formats of one namespace apart: per group, its layers and row size."""
+    rows, layout = fmt.get("row_nbytes"), fmt.get("layout")
+    rows = rows if isinstance(rows, dict) else {}
+    layout = layout if isinstance(layout, dict) else {}
+    parts = []
+    for group in layout.get("groups") or []:
+        if not isinstance(group, dict):
+            continue
+        layers = [x for x in group.get("layers") or [] if isinstance(x, dict)]
+        kinds = sorted(
+            {f"{x.get('dtype', '?')} {x.get('page_shape', '?')}" for x in layers}, key=str
+        )
+        g = group.get("group_id", "?")
+        parts.append(
+            f"g{g}: {len(layers)} x {' / '.join(kinds)}, rows of {rows.get(str(g), '?')} B"
+        )
+    when = (
+        "never"
+        if last_written is None
+        else time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(last_written))
+    )
+    return f"format: {'; '.join(parts) or 'unknown'}; last written {when}"
 
 
 @main.command()
@@ -272,7 +299,12 @@ def remove(root: str, name: str, yes: bool) -> None:
     from kvtier.io import remove_namespace
 
     if not yes:
-        click.confirm(f"Delete {os.path.join(root, name)} and every row in it?", abort=True)
+        try:
+            ok = click.confirm(f"Delete {os.path.join(root, name)} and every row in it?")
+        except click.Abort:  # no answer: end of input
+            ok = False
+        if not ok:
+            raise click.ClickException("nothing removed (answer y, or pass --yes)")
     try:
         freed = remove_namespace(root, name)
     except (InvalidArgumentError, NamespaceLockedError, OSError) as exc:

@@ -261,6 +261,36 @@ def page_intervals(view: torch.Tensor, block: int) -> list[tuple[int, int]]:
     return [(int(x), int(x) + run) for x in starts.tolist()]
 
 
+def _check_names_are_unique(groups: Mapping[Any, Any]) -> None:
+    """Raise LayoutError when one layer name stands for different tensors in two groups.
+
+    ``block_dim`` and ``payload_nbytes`` are keyed by layer name, so a name
+    must mean one tensor (the same tensor in several groups is an alias).
+    """
+    owner: dict[Any, tuple[Any, torch.Tensor]] = {}
+    for group_id, layers in groups.items():
+        if not isinstance(layers, Mapping):
+            continue  # reported with its group
+        for name, tensor in layers.items():
+            if not isinstance(tensor, torch.Tensor):
+                continue  # reported with its layer
+            first = owner.setdefault(name, (group_id, tensor))
+            other = first[1]
+            if other is not tensor and (
+                other.device != tensor.device
+                or other.dtype != tensor.dtype
+                or other.shape != tensor.shape
+                or other.stride() != tensor.stride()
+                or other.data_ptr() != tensor.data_ptr()
+            ):
+                raise LayoutError(
+                    f"layer name {name!r} stands for different tensors in groups {first[0]} "
+                    f"and {group_id}: block_dim and payload_nbytes are keyed by layer name, "
+                    "so give each tensor its own name (the same tensor may appear in "
+                    "several groups)"
+                )
+
+
 class KVLayout:
     """The registered GPU KV cache, grouped by KV cache group.
 
@@ -290,7 +320,8 @@ class KVLayout:
                 appear in several groups (aliases); two names of one group that
                 view identical bytes are copied once.
             block_dim: the ``num_blocks`` dimension, one int for all layers or
-                ``{layer_name: int}``. Negative values count from the end.
+                ``{layer_name: int}`` (layers it leaves out use 0). Negative
+                values count from the end.
             payload_nbytes: optional ``{layer_name: bytes}``: only this prefix of
                 each page (in row-major order of the page's dims) is transferred.
             tokens_per_block: tokens per GPU block, one int or ``{group_id: int}``.
@@ -301,7 +332,8 @@ class KVLayout:
         Raises:
             LayoutError: empty groups, a non-tensor, mixed devices, a meta or
                 sparse tensor, a bad block dimension, layers of one group with
-                different ``num_blocks``, a payload outside ``(0, page bytes]``,
+                different ``num_blocks``, one layer name for different tensors
+                in two groups, a payload outside ``(0, page bytes]``,
                 overlapping layers inside one group, or a bad ``tokens_per_block``.
 
         """
@@ -316,6 +348,7 @@ class KVLayout:
             raise LayoutError(
                 f"block_dim names unknown layers: {sorted(set(block_dim) - known_names)}"
             )
+        _check_names_are_unique(groups)
         device: torch.device | None = None
         built: dict[int, GroupLayout] = {}
         for group_id, layers in groups.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -20,7 +21,7 @@ from kvtier.io._format import (
     is_blank,
 )
 
-__all__ = ["REMOVING_PREFIX", "inspect_root", "is_namespace"]
+__all__ = ["REMOVING_PREFIX", "folders_of", "inspect_root", "is_namespace", "other_formats"]
 
 _GROUP_NAME = re.compile(r"g(0|[1-9][0-9]*)")
 _NAMESPACE_NAME = re.compile(r".+-[0-9a-f]{16}")  # <namespace>-<digest16>, as the tier names it
@@ -167,6 +168,48 @@ def is_namespace(path: pathlib.Path) -> bool:
         return False
 
 
+def other_formats(root: pathlib.Path, directory: pathlib.Path, namespace: str) -> list[str]:
+    """Names of the other namespace folders under ``root`` made for ``namespace`` (blocks).
+
+    Folders of another format (layout, ``blocks_per_chunk`` or row size) of
+    the same namespace label: a tier never uses them, and they keep their
+    disk space until ``kvtier remove``. Read-only; unreadable entries are
+    skipped.
+    """
+    return [name for name in folders_of(root, namespace) if name != directory.name]
+
+
+def folders_of(root: pathlib.Path, namespace: str) -> list[str]:
+    """Names of the namespace folders under ``root`` whose ``format.json`` names ``namespace``.
+
+    Read-only (blocks); unreadable entries are skipped.
+    """
+    out = []
+    try:
+        entries = sorted(root.iterdir())
+    except OSError:
+        return []
+    for path in entries:
+        if not is_namespace(path):
+            continue
+        fmt, _ = _read_format(path, [])
+        if fmt is not None and fmt.get("namespace") == namespace:
+            out.append(path.name)
+    return out
+
+
+def _last_written(directory: pathlib.Path) -> float | None:
+    """Newest modification time (Unix seconds) of a file in the folder or its groups."""
+    newest = None
+    with contextlib.suppress(OSError):
+        for dirpath, _, files in os.walk(directory):
+            for f in files:
+                with contextlib.suppress(OSError):
+                    t = os.lstat(os.path.join(dirpath, f)).st_mtime
+                    newest = t if newest is None or t > newest else newest
+    return newest
+
+
 def inspect_root(root: str | os.PathLike[str]) -> dict[str, Any]:
     """Summarize every namespace directory under ``root`` without modifying anything.
 
@@ -184,7 +227,8 @@ def inspect_root(root: str | os.PathLike[str]) -> dict[str, Any]:
         ``{"root": str, "namespaces": [{"directory", "format" (format.json
         as a dict, or None), "locked_by_pid", "groups": {group_id:
         {"segments": [...], "rows", "allocated_rows", "valid_rows",
-        "invalid_rows"}}, "errors": [str]}]}``; ``rows`` is the row count
+        "invalid_rows"}}, "last_written" (newest file modification, Unix
+        seconds, or None), "errors": [str]}]}``; ``rows`` is the row count
         the segment headers announce (the most rows the present files may
         grow to; the tier adds segment files as it needs them),
         ``allocated_rows`` the rows the files hold now. Garbage is
@@ -225,6 +269,7 @@ def inspect_root(root: str | os.PathLike[str]) -> dict[str, Any]:
                 "directory": directory.name,
                 "format": fmt,
                 "locked_by_pid": pid,
+                "last_written": _last_written(directory),
                 "groups": groups,
                 "errors": errors,
             }

@@ -16,7 +16,7 @@ import stat
 
 from kvtier.errors import InvalidArgumentError, NamespaceLockedError
 from kvtier.io._files import same_file
-from kvtier.io._inspect import REMOVING_PREFIX, is_namespace
+from kvtier.io._inspect import REMOVING_PREFIX, folders_of, is_namespace
 
 __all__ = ["remove_namespace"]
 
@@ -60,11 +60,18 @@ def remove_namespace(root: str | os.PathLike[str], name: str) -> int:
         or "\0" in name
         or len(os.fsencode(name)) > _NAME_MAX
     ):
+        hint = _label_hint(base, name) if isinstance(name, str) else ""
         raise InvalidArgumentError(
-            f"expected the name of a namespace directory under {root}, got {name!r:.300}"
+            f"expected the name of a namespace directory (<namespace>-<16 hex digits>, as "
+            f"`kvtier inspect {root}` lists it) under {root}, got {name!r:.300}{hint}"
         )
     path = base / name
     try:
+        if not path.exists() and not path.is_symlink():
+            raise InvalidArgumentError(
+                f"no folder {name!r} under {root} (see `kvtier inspect {root}`)"
+                + _label_hint(base, name)
+            )
         listed = is_namespace(path) or name.startswith(REMOVING_PREFIX)
         if path.is_symlink() or not listed or not path.is_dir():
             raise InvalidArgumentError(
@@ -110,6 +117,15 @@ def remove_namespace(root: str | os.PathLike[str], name: str) -> int:
         with contextlib.suppress(OSError):
             fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def _label_hint(root: pathlib.Path, name: str) -> str:
+    """``"; the folders of namespace NAME are: ..."`` when ``name`` is a namespace label, else ''.
+
+    For a user who passes the ``NVMeConfig.namespace`` instead of a folder name.
+    """
+    folders = folders_of(root, name)
+    return f"; the folders of namespace {name!r} are: {', '.join(folders)}" if folders else ""
 
 
 def _disk_bytes(path: pathlib.Path) -> int:

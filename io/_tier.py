@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import pathlib
 import re
@@ -32,6 +33,7 @@ from kvtier.io._format import (
     format_fields,
 )
 from kvtier.io._index import RowIndex
+from kvtier.io._inspect import other_formats
 from kvtier.io._rowio import (
     IO_BACKENDS,
     IOV_MAX,
@@ -43,6 +45,8 @@ from kvtier.io._rowio import (
 )
 
 __all__ = ["FAILURE_KINDS", "NVMeTier"]
+
+log = logging.getLogger("kvtier.io")
 
 T = TypeVar("T")
 
@@ -167,6 +171,7 @@ class NVMeTier:
         self._format_json = json.dumps(fields, indent=2, sort_keys=True) + "\n"
         safe = re.sub(r"[^A-Za-z0-9._-]", "_", namespace)[:80] or "_"
         self._root = pathlib.Path(root)
+        self._namespace = namespace
         self.directory = self._root / f"{safe}-{digest16(self.digest)}"
         self._layout = layout_description
         self._blocks_per_chunk = blocks_per_chunk
@@ -336,11 +341,19 @@ class NVMeTier:
             if submits(self._row_io):  # a wrapper without submit_* gets blocking calls
                 self._aio = cast("SubmittingRowIO", self._row_io)
             await _batches.scan(self)
+            others = await self._run(other_formats, self._root, self.directory, self._namespace)
         except BaseException:
             await self._release()
             self._state = "closed"
             raise
         self._state = "open"
+        if others:
+            log.warning(
+                "NVMe namespace %r: its folders of other formats (layout, blocks_per_chunk "
+                "or row size) are not used and keep their disk space: %s (this format: %s). "
+                "`kvtier inspect %s` lists them; `kvtier remove ROOT NAME` frees one",
+                self._namespace, ", ".join(others), self.directory.name, str(self._root),
+            )  # fmt: skip
         for group_id in self._specs:  # first segments (or more rows) before the first write
             _batches.grow_ahead(self, group_id)
 

@@ -17,13 +17,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def kvtier(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def kvtier(*args: str, cwd: Path, input: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.run(
         [sys.executable, "-m", "kvtier.cli", *args],
         cwd=cwd,
         env=env,
-        stdin=subprocess.DEVNULL,  # a prompt reads end of file, never waits
+        # without ``input`` a prompt reads end of file, never waits
+        **({"input": input} if input is not None else {"stdin": subprocess.DEVNULL}),
         capture_output=True,
         text=True,
         timeout=300,
@@ -213,6 +214,15 @@ def test_inspect_lists_namespaces_and_rows(tmp_path: Path) -> None:
     g0 = ns["groups"]["0"]
     assert 3 <= g0["allocated_rows"] <= g0["rows"]
     assert f"g0: {g0['allocated_rows']} rows allocated, 3 valid, 0 invalid, in " in res.stdout
+    # one line per namespace tells formats apart: layers, dtype, page shape and row size
+    row0, row1 = ns["format"]["row_nbytes"]["0"], ns["format"]["row_nbytes"]["1"]
+    assert (
+        f"format: g0: 1 x uint8 [4096], rows of {row0} B; g1: 1 x uint8 [1024], rows of {row1} B;"
+        in res.stdout
+    )
+    assert ns["last_written"] is not None
+    written = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ns["last_written"]))
+    assert f"last written {written}" in res.stdout
     assert f"can grow to {g0['rows']} rows" in res.stdout
 
 
@@ -225,7 +235,7 @@ def test_remove_asks_refuses_a_held_namespace_and_frees_it_once_released(
     (name,) = [p.name for p in tmp_path.iterdir() if p.name.startswith("ns1-")]
     res = kvtier("remove", str(tmp_path), name, cwd=tmp_path)  # no --yes, no answer
     assert res.returncode == 1
-    assert "Aborted" in res.stderr
+    assert "nothing removed (answer y, or pass --yes)" in res.stderr
     assert (tmp_path / name / "format.json").is_file()
     fd = os.open(tmp_path / name / "lock", os.O_RDWR)  # this process plays a live engine
     try:
@@ -244,6 +254,22 @@ def test_remove_asks_refuses_a_held_namespace_and_frees_it_once_released(
     res = kvtier("remove", str(tmp_path), "../etc", "--yes", cwd=tmp_path)
     assert res.returncode == 1
     assert "expected the name of a namespace directory" in res.stderr
+    res = kvtier("remove", str(tmp_path), name, "--yes", cwd=tmp_path)  # removed already
+    assert res.returncode == 1
+    assert f"no folder '{name}' under {tmp_path}" in res.stderr
+
+
+def test_remove_given_the_namespace_label_names_its_folders(tmp_path: Path) -> None:
+    _store_rows(tmp_path)
+    (name,) = [p.name for p in tmp_path.iterdir() if p.name.startswith("ns1-")]
+    res = kvtier("remove", str(tmp_path), "ns1", "--yes", cwd=tmp_path)
+    assert res.returncode == 1
+    assert f"no folder 'ns1' under {tmp_path}" in res.stderr
+    assert f"the folders of namespace 'ns1' are: {name}" in res.stderr
+    assert (tmp_path / name / "format.json").is_file()
+    res = kvtier("remove", str(tmp_path), name, cwd=tmp_path, input="y\n")  # piped answer
+    assert res.returncode == 0, res.stderr
+    assert not (tmp_path / name).exists()
 
 
 def test_bench_stopped_by_sigterm_removes_its_directory(tmp_path: Path) -> None:

@@ -393,3 +393,15 @@ async def test_a_call_before_start_says_how_to_start() -> None:
         pass
     with pytest.raises(kvtier.EngineClosedError, match=r"engine is closed; no call is accepted$"):
         engine.lookup([kvtier.OffloadKey(b"k", 0)])
+
+
+def test_one_layer_name_for_two_tensors_is_refused() -> None:
+    """block_dim and payload_nbytes are keyed by name: a name must mean one tensor."""
+    a, b = torch.zeros(4, 8), torch.zeros(4, 8)
+    with pytest.raises(errors.LayoutError, match="'x' stands for different tensors in groups 0"):
+        kvtier.KVLayout.from_tensors({0: {"x": a}, 1: {"x": b}}, block_dim={"x": 0})
+    with pytest.raises(errors.LayoutError, match="different tensors"):
+        kvtier.KVLayout.from_tensors({0: {"x": a}, 1: {"x": a[:, :4]}})  # another view
+    # the same tensor (or an identical view of it) under one name in two groups: an alias
+    layout = kvtier.KVLayout.from_tensors({0: {"x": a}, 1: {"x": a.view(4, 8)}})
+    assert list(layout.group_ids) == [0, 1]

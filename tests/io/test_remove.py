@@ -152,3 +152,50 @@ async def test_freed_bytes_leave_out_files_linked_from_elsewhere(tmp_path, slots
     freed = remove_namespace(root, tier.directory.name)
     assert freed == everything - kept_bytes
     assert outside.stat().st_blocks * 512 == kept_bytes  # the blocks are still allocated
+
+
+async def test_opening_a_namespace_names_its_folders_of_other_formats(
+    tmp_path, slots, caplog
+) -> None:
+    """A changed layout starts cold: the log says so and names the unused folders."""
+    root = tmp_path / "nvme"
+    old = await _tier_with_rows(root, slots, OLD)
+    await old.close()
+    stranger = NVMeTier(**{**tier_kwargs(root, group_nbytes=OLD), "namespace": "other/label"})
+    await stranger.open()
+    await stranger.close()
+    with caplog.at_level("WARNING", logger="kvtier.io"):
+        current = NVMeTier(**tier_kwargs(root, group_nbytes=GROUP_NBYTES))
+        await current.open()
+        await current.close()
+    (record,) = [r for r in caplog.records if "other formats" in r.getMessage()]
+    message = record.getMessage()
+    assert old.directory.name in message
+    assert current.directory.name in message
+    assert stranger.directory.name not in message  # another namespace label
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvtier.io"):
+        remove_namespace(root, old.directory.name)
+        again = NVMeTier(**tier_kwargs(root, group_nbytes=GROUP_NBYTES))
+        await again.open()
+        await again.close()
+    assert not [r for r in caplog.records if "other formats" in r.getMessage()]
+
+
+async def test_a_namespace_label_instead_of_a_folder_name_gets_the_folder_names(
+    tmp_path, slots
+) -> None:
+    root = tmp_path / "nvme"
+    old = await _tier_with_rows(root, slots, OLD)
+    await old.close()
+    current = await _tier_with_rows(root, slots, GROUP_NBYTES)
+    await current.close()
+    label = tier_kwargs(root)["namespace"]  # "test/rank0": the NVMeConfig.namespace
+    with pytest.raises(InvalidArgumentError, match="expected the name of a namespace") as info:
+        remove_namespace(root, label)
+    names = sorted([old.directory.name, current.directory.name])
+    assert f"the folders of namespace {label!r} are: {', '.join(names)}" in str(info.value)
+    with pytest.raises(InvalidArgumentError, match="no folder 'gone-0123456789abcdef'"):
+        remove_namespace(root, "gone-0123456789abcdef")
+    assert old.directory.is_dir()  # nothing deleted
+    assert current.directory.is_dir()
