@@ -21,7 +21,7 @@ from kvtier._types import (
     Residency,
     StoreResult,
 )
-from kvtier.errors import EngineClosedError
+from kvtier.errors import EngineClosedError, InvalidArgumentError
 from kvtier.layout import KVLayout
 
 T = TypeVar("T")
@@ -63,6 +63,8 @@ class BackgroundEngine:
         )
         self._closed = False
         self._lock = threading.Lock()  # orders submissions against close()
+        self._close_done = threading.Event()  # set once the first close() has finished
+        self._close_error: BaseException | None = None
 
     @property
     def num_slots(self) -> int:
@@ -79,6 +81,30 @@ class BackgroundEngine:
     async def _call(self, fn: Any, *args: Any) -> Any:
         return fn(*args)
 
+    def _on_engine_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def _query(self, fn: Any, *args: Any) -> Any:
+        """Run a synchronous engine query on the engine thread and return its value.
+
+        Called on the engine thread itself (a Future's done callback runs
+        there), it runs at once: waiting for the loop from its own thread
+        would block it forever.
+        """
+        if self._on_engine_thread():
+            with self._lock:
+                if self._closed:
+                    raise EngineClosedError("BackgroundEngine is closed or not started")
+            return fn(*args)
+        return self._submit(self._call(fn, *args)).result()
+
+    def _refuse_on_engine_thread(self, what: str) -> None:
+        if self._on_engine_thread():
+            raise InvalidArgumentError(
+                f"BackgroundEngine.{what}() waits for the engine thread, so it cannot run on "
+                "it (from a Future's done callback); call it from another thread"
+            )
+
     def start(self) -> Self:
         """Start the loop thread and the engine (blocks until started).
 
@@ -94,7 +120,8 @@ class BackgroundEngine:
         try:
             self._submit(self.engine.start()).result()
         except BaseException:
-            self.close()
+            with contextlib.suppress(Exception):  # the start's error is the one to see
+                self.close()
             raise
         return self
 
@@ -132,18 +159,40 @@ class BackgroundEngine:
         more, so they may be reused (it may also wait for other copies in
         flight).
 
+        A Future that had already finished is left alone and ``False``
+        returned at once (its call has ended).
+
         Args:
-            future: a Future returned by :meth:`store`, :meth:`load` or :meth:`flush`.
+            future: a Future returned by :meth:`store`, :meth:`load`,
+                :meth:`prefetch` or :meth:`flush`.
             timeout: seconds to wait at most (None: no limit).
 
         Returns:
             What ``future.cancel()`` returned (False: it had already finished).
 
         Raises:
-            TimeoutError: the call had not ended within ``timeout``.
+            InvalidArgumentError: ``future`` is not a Future, ``timeout`` is
+                not None or a number ``>= 0``, or the call is made on the
+                engine thread (nothing is cancelled then).
+            TimeoutError: the wait for the call (and the other work in flight
+                when it was cancelled) did not end within ``timeout``.
             EngineClosedError: the engine is closed (then no call runs anyway).
         """
+        if not isinstance(future, concurrent.futures.Future):
+            raise InvalidArgumentError(
+                f"cancel() takes a Future of this engine, got {type(future).__name__}"
+            )
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0
+        ):
+            raise InvalidArgumentError(f"timeout must be None or seconds >= 0, got {timeout!r}")
+        self._refuse_on_engine_thread("cancel")
+        with self._lock:
+            if self._closed or not self._thread.is_alive():
+                raise EngineClosedError("BackgroundEngine is closed or not started")
         cancelled = future.cancel()
+        if not cancelled and future.done():
+            return False  # it had finished: its call has ended
         # Submitted after the cancellation (the loop runs them in order), so
         # the cancelled call has seen it when this starts.
         self._submit(self._settle()).result(timeout)
@@ -165,47 +214,64 @@ class BackgroundEngine:
 
     def lookup(self, keys: Iterable[OffloadKey]) -> list[Residency]:
         """:meth:`TransferEngine.lookup`, run on the engine thread (blocks briefly)."""
-        result: list[Residency] = self._submit(self._call(self.engine.lookup, keys)).result()
+        result: list[Residency] = self._query(self.engine.lookup, keys)
         return result
 
     def prefix_hits(self, keys: Iterable[OffloadKey]) -> int:
         """:meth:`TransferEngine.prefix_hits`, run on the engine thread (blocks briefly)."""
-        result: int = self._submit(self._call(self.engine.prefix_hits, keys)).result()
+        result: int = self._query(self.engine.prefix_hits, keys)
         return result
 
     def stored_range(self, key: OffloadKey) -> tuple[int, int] | None:
         """:meth:`TransferEngine.stored_range`, run on the engine thread (blocks briefly)."""
-        result: tuple[int, int] | None = self._submit(
-            self._call(self.engine.stored_range, key)
-        ).result()
+        result: tuple[int, int] | None = self._query(self.engine.stored_range, key)
         return result
 
     def stats(self) -> EngineStats:
         """:meth:`TransferEngine.stats`, run on the engine thread (blocks briefly)."""
-        result: EngineStats = self._submit(self._call(self.engine.stats)).result()
+        result: EngineStats = self._query(self.engine.stats)
         return result
 
     def close(self, *, hard: bool = False) -> None:
         """Close the engine and stop the thread (blocks until done). Idempotent.
 
         Calls submitted before ``close`` complete (or fail with
-        :class:`EngineClosedError`); calls after it raise at once.
+        :class:`EngineClosedError`); calls after it raise at once. A second
+        ``close`` (from any thread) returns once the first one has finished.
+
+        Raises:
+            StorageError: the final ``fdatasync`` of the NVMe tier failed
+                (raised by the first ``close`` only, once everything is
+                released and the thread has stopped, as
+                :meth:`TransferEngine.aclose` does).
+            InvalidArgumentError: called on the engine thread (from a
+                Future's done callback), where it could not wait.
         """
+        self._refuse_on_engine_thread("close")
         with self._lock:
-            if self._closed:
-                return
+            first = not self._closed
             self._closed = True  # no submission can slip in after this point
             alive = self._thread.is_alive()
-        if alive:
-            asyncio.run_coroutine_threadsafe(self._shutdown(hard), self._loop).result()
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-        self._loop.close()
+        if not first:
+            self._close_done.wait()
+            return
+        try:
+            if alive:
+                asyncio.run_coroutine_threadsafe(self._shutdown(hard), self._loop).result()
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join()
+            self._loop.close()
+        finally:
+            self._close_done.set()
+        if self._close_error is not None:
+            raise self._close_error
 
     async def _shutdown(self, hard: bool) -> None:
         """Close the engine, then settle every call still pending on the loop."""
-        with contextlib.suppress(Exception):
+        try:
             await self.engine.aclose(hard=hard)
+        except Exception as exc:  # raised by close() once the thread has stopped
+            self._close_error = exc
         me = asyncio.current_task()
         others = [t for t in asyncio.all_tasks() if t is not me]
         for task in others:

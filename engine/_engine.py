@@ -217,6 +217,10 @@ class TransferEngine:
         self._ready: dict[OffloadKey, asyncio.Future[bool]] = {}
         self._tasks: set[asyncio.Future[Any]] = set()
         self._close_task: asyncio.Task[None] | None = None
+        # While start() runs: its end (set once it returned or raised), and
+        # whether aclose() asked it to stop at its next step.
+        self._started: asyncio.Future[None] | None = None
+        self._close_requested = False
         self._c = _Counters()
         self._nvme: Any = None
         self._nvme_final: dict[str, Any] | None = None  # the tier's last counters once closed
@@ -251,7 +255,9 @@ class TransferEngine:
         Blocks nothing on the event loop (pre-faulting runs in a worker thread).
 
         Raises:
-            EngineClosedError: the engine was already started or closed.
+            EngineClosedError: the engine was already started or closed, or
+                :meth:`aclose` was called while it started (everything it
+                had set up is released then).
             BudgetError: the CPU pool of ``cpu_bytes`` cannot be allocated.
             ConfigError: the NVMe root is unusable.
             NamespaceLockedError: another engine holds the NVMe namespace.
@@ -261,6 +267,7 @@ class TransferEngine:
             raise EngineClosedError(f"engine cannot start in state {self._state!r}")
         self._state = "starting"
         loop = asyncio.get_running_loop()
+        started = self._started = loop.create_future()
         try:
             try:
                 region = HostRegion(self.num_slots * self.slot_nbytes, pin=self.config.pin_memory)
@@ -287,6 +294,7 @@ class TransferEngine:
                     with contextlib.suppress(asyncio.CancelledError):
                         await asyncio.shield(prefault)
                 raise
+            self._stop_if_closing()
             self._executors = {
                 d: CopyExecutor(self.layout.device, d, self.config.copy_threads)
                 for d in ("store", "load")
@@ -296,12 +304,22 @@ class TransferEngine:
 
                 self._nvme = await open_tier(self)
                 self._writer = NVMeWriter(self, self._nvme)
+                self._stop_if_closing()
         except BaseException:
             self._state = "closed"
-            await self._release()
+            try:
+                await self._release()
+            finally:
+                started.set_result(None)
             raise
         self._state = "open"
+        started.set_result(None)
         return self
+
+    def _stop_if_closing(self) -> None:
+        """Inside :meth:`start`: raise if :meth:`aclose` was called meanwhile."""
+        if self._close_requested:
+            raise EngineClosedError("engine closed (aclose) while it was starting")
 
     async def __aenter__(self) -> Self:
         return await self.start()
@@ -325,12 +343,21 @@ class TransferEngine:
         NVMe namespace lock released). Waits for calls in flight (their copies
         touch slots and GPU blocks), then for the NVMe writes of their keys.
 
+        Called while :meth:`start` runs, it waits for the step in progress
+        (pre-faulting the CPU pool, opening the NVMe tier), after which
+        ``start`` raises :class:`EngineClosedError` and releases what it set up.
+
         Cancellation: closing continues in the background; a later ``aclose``
         waits for it.
 
         """
         if self._state == "new":
             self._state = "closed"
+        if self._state == "starting" and self._started is not None:
+            self._close_requested = True
+            # start() releases everything and raises; if this caller is
+            # cancelled meanwhile, start() still stops at its next step.
+            await asyncio.shield(self._started)
         if self._close_task is None:
             if self._state == "closed":
                 return
@@ -606,7 +633,9 @@ class TransferEngine:
             nbytes = len(chunk.block_ids) * self.layout.group(key.group_id).block_payload_nbytes
             requests.append((key, chunk.offset, chunk.stop, nbytes))
             by_key[key] = chunk
-        entries, rejected, _evicted = self._pool.reserve(requests, protect=by_key.keys())
+        # Every key of the call is protected, the skipped (present) ones too.
+        protect = {c.key for c in chunks}
+        entries, rejected, _evicted = self._pool.reserve(requests, protect=protect)
         self._c.rejected += len(rejected)
         loop = asyncio.get_running_loop()
         prepared = _PreparedStore(

@@ -231,7 +231,9 @@ class EngineStats:
         misses: keys a load found on no medium (or without the requested
             sub-blocks).
         evictions: keys evicted from CPU slots.
-        rejected: keys a store could not place (no free or evictable slot).
+        rejected: keys a store, or a promotion (load or prefetch of a key on
+            NVMe only), could not place: no free or evictable slot. A
+            rejected promotion leaves the row on NVMe.
         store_bytes: payload bytes copied device -> CPU (``store_seconds``:
             summed job time).
         load_bytes: payload bytes copied CPU -> device (``load_seconds``).

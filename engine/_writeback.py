@@ -334,6 +334,7 @@ class NVMeWriter:
         entries, rejected, _ = pool.reserve(requests, protect=protect)
         for key in rejected:
             errors[key] = KVTierError(f"{key}: no free or evictable CPU slot for promotion")
+        engine._c.rejected += len(rejected)  # not a failed read: the row stays on NVMe
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[bool] = loop.create_future()
         for entry in entries:

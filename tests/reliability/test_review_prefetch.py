@@ -710,6 +710,7 @@ async def test_too_few_slots_evicts_other_keys_never_the_calls_own(
         assert stats.nvme is not None
         assert (stats.nvme["promotions"], stats.nvme["promotion_failures"]) == (3, 0)
         assert stats.failures == {}
+        assert stats.rejected == 1  # keys[3]: no slot; not a failed read (still on NVMe)
         settled(stats)
         assert stats.slots_free == 0
         gpu.scribble()
