@@ -172,8 +172,8 @@ class BackgroundEngine:
 
         Raises:
             InvalidArgumentError: ``future`` is not a Future, ``timeout`` is
-                not None or a number ``>= 0``, or the call is made on the
-                engine thread (nothing is cancelled then).
+                not None or a number in ``[0, threading.TIMEOUT_MAX]``, or the
+                call is made on the engine thread (nothing is cancelled then).
             TimeoutError: the wait for the call (and the other work in flight
                 when it was cancelled) did not end within ``timeout``.
             EngineClosedError: the engine is closed (then no call runs anyway).
@@ -183,9 +183,14 @@ class BackgroundEngine:
                 f"cancel() takes a Future of this engine, got {type(future).__name__}"
             )
         if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not 0 <= timeout <= threading.TIMEOUT_MAX
         ):
-            raise InvalidArgumentError(f"timeout must be None or seconds >= 0, got {timeout!r}")
+            raise InvalidArgumentError(
+                f"timeout must be None (no limit) or seconds in [0, {threading.TIMEOUT_MAX:g}], "
+                f"got {timeout!r}"
+            )
         self._refuse_on_engine_thread("cancel")
         with self._lock:
             if self._closed or not self._thread.is_alive():
@@ -237,7 +242,9 @@ class BackgroundEngine:
 
         Calls submitted before ``close`` complete (or fail with
         :class:`EngineClosedError`); calls after it raise at once. A second
-        ``close`` (from any thread) returns once the first one has finished.
+        ``close`` (from any thread) returns once the first one has finished;
+        ``close(hard=True)`` during a soft close drops the rows that close
+        has not written yet, as :meth:`TransferEngine.aclose` does.
 
         Raises:
             StorageError: the final ``fdatasync`` of the NVMe tier failed
@@ -253,6 +260,9 @@ class BackgroundEngine:
             self._closed = True  # no submission can slip in after this point
             alive = self._thread.is_alive()
         if not first:
+            if hard and alive:  # a soft close is running: drop its rows not yet written
+                with contextlib.suppress(RuntimeError):  # the loop has closed already
+                    self._loop.call_soon_threadsafe(self.engine._cancel_writes_if_closing)
             self._close_done.wait()
             return
         try:

@@ -353,7 +353,8 @@ class TransferEngine:
         """
         if self._state == "new":
             self._state = "closed"
-        if self._state == "starting" and self._started is not None:
+        if self._started is not None and not self._started.done():
+            # start() is running, or releasing after a failure: its end comes first
             self._close_requested = True
             # start() releases everything and raises; if this caller is
             # cancelled meanwhile, start() still stops at its next step.
@@ -363,9 +364,18 @@ class TransferEngine:
                 return
             self._close_task = asyncio.get_running_loop().create_task(self._close(hard))
             self._close_task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        elif hard and self._writer is not None:
-            self._writer.cancel()
+        elif hard:
+            self._cancel_writes_if_closing()
         await asyncio.shield(self._close_task)
+
+    def _cancel_writes_if_closing(self) -> None:
+        """A hard close asked for while a soft one runs: drop the rows not yet written.
+
+        Once the engine is closed there is nothing left to drop (the writer
+        is detached then).
+        """
+        if self._state == "closing" and self._writer is not None:
+            self._writer.cancel()
 
     async def _close(self, hard: bool) -> None:
         self._state = "closing"

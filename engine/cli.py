@@ -260,28 +260,35 @@ def inspect(root: str, as_json: bool) -> None:
 
 
 def _format_summary(fmt: dict[str, Any], last_written: float | None) -> str:
-    """One line that tells formats of one namespace apart: per group, its layers and row size."""
+    """One line that tells formats of one namespace apart: per group, its layers and row size.
+
+    Any ``format.json`` prints (fields of the wrong type show as ``?``).
+    """
     rows, layout = fmt.get("row_nbytes"), fmt.get("layout")
     rows = rows if isinstance(rows, dict) else {}
-    layout = layout if isinstance(layout, dict) else {}
+    groups = layout.get("groups") if isinstance(layout, dict) else None
     parts = []
-    for group in layout.get("groups") or []:
+    for group in groups if isinstance(groups, list) else []:
         if not isinstance(group, dict):
             continue
-        layers = [x for x in group.get("layers") or [] if isinstance(x, dict)]
-        kinds = sorted(
-            {f"{x.get('dtype', '?')} {x.get('page_shape', '?')}" for x in layers}, key=str
-        )
+        layers = group.get("layers")
+        layers = [x for x in layers if isinstance(x, dict)] if isinstance(layers, list) else []
+        kinds = sorted({f"{x.get('dtype', '?')} {x.get('page_shape', '?')}" for x in layers})
         g = group.get("group_id", "?")
         parts.append(
             f"g{g}: {len(layers)} x {' / '.join(kinds)}, rows of {rows.get(str(g), '?')} B"
         )
-    when = (
-        "never"
-        if last_written is None
-        else time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(last_written))
-    )
-    return f"format: {'; '.join(parts) or 'unknown'}; last written {when}"
+    return f"format: {'; '.join(parts) or 'unknown'}; last written {_utc(last_written)}"
+
+
+def _utc(seconds: float | None) -> str:
+    """A Unix time as ``YYYY-MM-DD HH:MM:SS UTC`` (the number itself when out of range)."""
+    if seconds is None:
+        return "never"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+    except (OverflowError, OSError, ValueError):
+        return f"{seconds!r} (Unix seconds)"
 
 
 @main.command()
@@ -297,7 +304,12 @@ def remove(root: str, name: str, yes: bool) -> None:
     """
     from kvtier.errors import InvalidArgumentError, NamespaceLockedError
     from kvtier.io import remove_namespace
+    from kvtier.io._remove import namespace_path
 
+    try:
+        namespace_path(root, name)  # a wrong name is reported before any question
+    except InvalidArgumentError as exc:
+        raise click.ClickException(str(exc)) from exc
     if not yes:
         try:
             ok = click.confirm(f"Delete {os.path.join(root, name)} and every row in it?")

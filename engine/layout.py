@@ -272,7 +272,11 @@ def _check_names_are_unique(groups: Mapping[Any, Any]) -> None:
         if not isinstance(layers, Mapping):
             continue  # reported with its group
         for name, tensor in layers.items():
-            if not isinstance(tensor, torch.Tensor):
+            if (
+                not isinstance(tensor, torch.Tensor)
+                or tensor.layout != torch.strided
+                or tensor.device.type == "meta"
+            ):
                 continue  # reported with its layer
             first = owner.setdefault(name, (group_id, tensor))
             other = first[1]

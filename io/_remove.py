@@ -23,33 +23,17 @@ __all__ = ["remove_namespace"]
 _NAME_MAX = 255  # bytes in one path component (Linux NAME_MAX)
 
 
-def remove_namespace(root: str | os.PathLike[str], name: str) -> int:
-    """Delete the namespace directory ``root/name`` and every row in it (blocks).
+def namespace_path(root: str | os.PathLike[str], name: str) -> pathlib.Path:
+    """``root/name`` when it names a namespace directory that could be removed (blocks).
 
-    Takes the namespace's lock first, as an engine opening it does, so the
-    directory of a live engine is never touched. Holding the lock, it renames
-    the directory to a hidden ``.kvtier-removing-<pid>-<random>-<name>`` under
-    ``root`` (an engine that opens the namespace from then on starts a fresh,
-    empty directory), then deletes that. A removal interrupted after the
-    rename leaves the hidden directory; pass its name to finish it.
-
-    Args:
-        root: the NVMe root (``NVMeConfig.root``).
-        name: the directory's name as ``kvtier inspect ROOT`` lists it
-            (``<namespace>-<16 hex digits>``): a plain name, no path.
-
-    Returns:
-        The disk space freed, in bytes (``st_blocks * 512`` of each file
-        whose hard links were all inside the directory).
+    The checks :func:`remove_namespace` makes before it takes the lock; the
+    CLI runs them before it asks for confirmation. Deletes nothing.
 
     Raises:
-        InvalidArgumentError: ``name`` is not a plain name, ``root/name``
-            is not a namespace directory (a symlink is refused too), or its
-            ``lock`` is not a regular file; nothing is deleted.
-        NamespaceLockedError: a live engine holds the namespace; nothing is
-            deleted.
-        OSError: the rename or the deletion failed (what is left stays under
-            the name the message gives).
+        InvalidArgumentError: ``name`` is not a plain name (the message
+            lists the folders of a namespace label given instead), there is
+            no such folder, or it is not a namespace directory (a symlink
+            is refused too).
 
     """
     base = pathlib.Path(root)
@@ -79,6 +63,40 @@ def remove_namespace(root: str | os.PathLike[str], name: str) -> int:
             )
     except OSError as exc:
         raise InvalidArgumentError(f"cannot look at {str(path)!r}: {exc}") from exc
+    return path
+
+
+def remove_namespace(root: str | os.PathLike[str], name: str) -> int:
+    """Delete the namespace directory ``root/name`` and every row in it (blocks).
+
+    Takes the namespace's lock first, as an engine opening it does, so the
+    directory of a live engine is never touched. Holding the lock, it renames
+    the directory to a hidden ``.kvtier-removing-<pid>-<random>-<name>`` under
+    ``root`` (an engine that opens the namespace from then on starts a fresh,
+    empty directory), then deletes that. A removal interrupted after the
+    rename leaves the hidden directory; pass its name to finish it.
+
+    Args:
+        root: the NVMe root (``NVMeConfig.root``).
+        name: the directory's name as ``kvtier inspect ROOT`` lists it
+            (``<namespace>-<16 hex digits>``): a plain name, no path.
+
+    Returns:
+        The disk space freed, in bytes (``st_blocks * 512`` of each file
+        whose hard links were all inside the directory).
+
+    Raises:
+        InvalidArgumentError: ``name`` is not a plain name, ``root/name``
+            is not a namespace directory (a symlink is refused too), or its
+            ``lock`` is not a regular file; nothing is deleted.
+        NamespaceLockedError: a live engine holds the namespace; nothing is
+            deleted.
+        OSError: the rename or the deletion failed (what is left stays under
+            the name the message gives).
+
+    """
+    path = namespace_path(root, name)
+    base = path.parent
     flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
         fd = os.open(path / "lock", flags, 0o644)

@@ -349,10 +349,11 @@ class NVMeTier:
         self._state = "open"
         if others:
             log.warning(
-                "NVMe namespace %r: its folders of other formats (layout, blocks_per_chunk "
-                "or row size) are not used and keep their disk space: %s (this format: %s). "
-                "`kvtier inspect %s` lists them; `kvtier remove ROOT NAME` frees one",
-                self._namespace, ", ".join(others), self.directory.name, str(self._root),
+                "NVMe namespace %r: this engine uses %s; the root also holds folders of "
+                "other formats of this namespace (layout, blocks_per_chunk or row size), "
+                "which this engine never reads: %s. `kvtier inspect %s` shows which an "
+                "engine holds; `kvtier remove ROOT NAME` frees one that none holds",
+                self._namespace, self.directory.name, ", ".join(others), str(self._root),
             )  # fmt: skip
         for group_id in self._specs:  # first segments (or more rows) before the first write
             _batches.grow_ahead(self, group_id)

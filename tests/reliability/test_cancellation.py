@@ -219,6 +219,19 @@ async def test_concurrent_aclose_returns_after_the_namespace_is_released(tmp_pat
     await first
 
 
+async def test_a_hard_aclose_after_the_engine_closed_does_nothing(tmp_path) -> None:
+    """It raised AttributeError: it cancelled the writes of a writer already detached."""
+    gpu = Gpu()
+    engine = kvtier.TransferEngine(gpu.layout, engine_config(gpu, 8, nvme_config(tmp_path)))
+    await engine.start()
+    await store_ok(engine, gpu, chunks(["hc0"]))
+    await engine.aclose()
+    await engine.aclose(hard=True)
+    await engine.aclose(hard=True)
+    async with kvtier.TransferEngine(gpu.layout, engine_config(gpu, 8, nvme_config(tmp_path))) as e:
+        assert e.lookup([chunks(["hc0"])[0].key]) == [kvtier.Residency.NVME]
+
+
 async def test_cancelled_aclose_keeps_closing(tmp_path: pathlib.Path) -> None:
     gpu = Gpu()
     slow = KeyFault("write", "delay", delay_s=0.03)
