@@ -86,9 +86,10 @@ def remove_namespace(root: str | os.PathLike[str], name: str) -> int:
         whose hard links were all inside the directory).
 
     Raises:
-        InvalidArgumentError: ``name`` is not a plain name, ``root/name``
-            is not a namespace directory (a symlink is refused too), or its
-            ``lock`` is not a regular file; nothing is deleted.
+        InvalidArgumentError: ``name`` is not a plain name, there is no
+            ``root/name`` or it is not a namespace directory (a symlink is
+            refused too; see :func:`namespace_path`), or its ``lock`` is not
+            a regular file; nothing is deleted.
         NamespaceLockedError: a live engine holds the namespace; nothing is
             deleted.
         OSError: the rename or the deletion failed (what is left stays under
@@ -152,7 +153,7 @@ def _disk_bytes(path: pathlib.Path) -> int:
     A file counts once, and only when every one of its hard links is under
     ``path``: a link kept elsewhere keeps its blocks allocated.
     """
-    seen: dict[tuple[int, int], list[int]] = {}  # (dev, ino) -> [links here, st_nlink, bytes]
+    seen: dict[tuple[int, int], list[int]] = {}  # (dev, ino) -> [links here, nlink, blocks]
     for dirpath, _, files in os.walk(path):
         for f in files:
             with contextlib.suppress(OSError):
