@@ -72,18 +72,47 @@ def main() -> None:
     show_default=True,
     help="KV cache bytes moved per phase (at least one chunk per group).",
 )
-@click.option("--blocks-per-chunk", default=16, show_default=True, type=click.IntRange(1))
-@click.option("--tokens-per-block", default=16, show_default=True, type=click.IntRange(1))
-@click.option("--batch-chunks", default=32, show_default=True, type=click.IntRange(1))
-@click.option("--io-threads", default=4, show_default=True, type=click.IntRange(1))
+@click.option(
+    "--blocks-per-chunk",
+    default=16,
+    show_default=True,
+    type=click.IntRange(1),
+    help="GPU blocks per chunk (one offload key, one NVMe row per group).",
+)
+@click.option(
+    "--tokens-per-block",
+    default=16,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Tokens per GPU block (sets the block size of the layout).",
+)
+@click.option(
+    "--batch-chunks",
+    default=32,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Chunks per store/load/prefetch call.",
+)
+@click.option(
+    "--io-threads",
+    default=4,
+    show_default=True,
+    type=click.IntRange(1),
+    help="NVMe I/O threads (requests in flight), for kvtier and the raw baseline alike.",
+)
 @click.option(
     "--io-backend",
     default="auto",
     show_default=True,
     type=click.Choice(["auto", "posix", "kvikio", "aio"]),
+    help="Row I/O backend (auto: kvikio where a CUDA driver loads, else posix).",
 )
 @click.option(
-    "--direct-io", default="auto", show_default=True, type=click.Choice(["auto", "on", "off"])
+    "--direct-io",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "on", "off"]),
+    help="O_DIRECT (auto: where the filesystem supports it, else buffered I/O).",
 )
 @click.option("--request-size", default="4M", show_default=True, help="Largest I/O request.")
 @click.option(
@@ -93,7 +122,13 @@ def main() -> None:
     type=click.Choice(["random", "sequential"]),
     help="Block ids of a chunk: scattered over the cache, or consecutive.",
 )
-@click.option("--repeat", default=3, show_default=True, type=click.IntRange(1))
+@click.option(
+    "--repeat",
+    default=3,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Passes of every phase; ratios are of the median pass (1: one noisy sample).",
+)
 @click.option(
     "--inflight-batches",
     default=4,
@@ -181,11 +216,33 @@ def bench(**kw: Any) -> None:
 
 @main.command()
 @click.option("--model", required=True, help="gemma3-270m, a tiny-* model, or tiny-all.")
-@click.option("--prompt-tokens", default=200, show_default=True, type=click.IntRange(2))
-@click.option("--block-tokens", default=16, show_default=True, type=click.IntRange(1))
-@click.option("--blocks-per-chunk", default=4, show_default=True, type=click.IntRange(1))
 @click.option(
-    "--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16"])
+    "--prompt-tokens",
+    default=200,
+    show_default=True,
+    type=click.IntRange(2),
+    help="Prompt length; its KV cache is stored, reloaded and resumed from.",
+)
+@click.option(
+    "--block-tokens",
+    default=16,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Tokens per KV cache block.",
+)
+@click.option(
+    "--blocks-per-chunk",
+    default=4,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Blocks per chunk (offload key).",
+)
+@click.option(
+    "--dtype",
+    default="float32",
+    show_default=True,
+    type=click.Choice(["float32", "bfloat16"]),
+    help="Model and KV cache dtype.",
 )
 @click.option("--root", default=None, help="NVMe root (default: a temporary directory).")
 def roundtrip(**kw: Any) -> None:
@@ -229,21 +286,24 @@ def inspect(root: str, as_json: bool) -> None:
     from kvtier.io import inspect_root
 
     info = inspect_root(root)
-    if not info["namespaces"]:
-        raise click.ClickException(
-            f"no kvtier namespace folder (<namespace>-<16 hex digits>) under {root}: "
-            "pass the NVMeConfig.root the engines use"
-        )
-    if as_json:
+    if as_json:  # an empty list for a root without namespaces: scripts read it as such
         click.echo(json.dumps(info, indent=2, default=str))
         return
+    if not info["namespaces"]:
+        raise click.ClickException(
+            f"no kvtier namespace folder (<namespace>-<16 hex digits>) under {root}: it "
+            "holds none yet (or none left), or it is not the NVMeConfig.root the engines use"
+        )
     click.echo(f"root: {info['root']}")
     for ns in info["namespaces"]:
         fmt = ns.get("format") or {}
+        pid = ns.get("locked_by_pid")
+        holder = "held by no engine" if pid is None else f"held by a live engine (pid {pid})"
+        disk = ns.get("disk_nbytes", 0) / 2**20
         click.echo(
             f"- {ns['directory']}  namespace={fmt.get('namespace', '?')} "
-            f"blocks_per_chunk={fmt.get('blocks_per_chunk', '?')} "
-            f"locked_by_pid={ns.get('locked_by_pid')}"
+            f"blocks_per_chunk={fmt.get('blocks_per_chunk', '?')}; {holder}; "
+            f"{disk:.1f} MiB on disk"
         )
         click.echo(f"    {_format_summary(fmt, ns.get('last_written'))}")
         for err in ns.get("errors", []):
@@ -278,7 +338,7 @@ def _format_summary(fmt: dict[str, Any], last_written: float | None) -> str:
         parts.append(
             f"g{g}: {len(layers)} x {' / '.join(kinds)}, rows of {rows.get(str(g), '?')} B"
         )
-    return f"format: {'; '.join(parts) or 'unknown'}; last written {_utc(last_written)}"
+    return f"format: {'; '.join(parts) or 'unknown'}; rows last written {_utc(last_written)}"
 
 
 def _utc(seconds: float | None) -> str:
@@ -304,17 +364,25 @@ def remove(root: str, name: str, yes: bool) -> None:
     """
     from kvtier.errors import InvalidArgumentError, NamespaceLockedError
     from kvtier.io import remove_namespace
+    from kvtier.io._inspect import lock_holder
     from kvtier.io._remove import namespace_path
 
     try:
-        namespace_path(root, name)  # a wrong name is reported before any question
+        path = namespace_path(root, name)  # a wrong name is reported before any question
     except InvalidArgumentError as exc:
         raise click.ClickException(str(exc)) from exc
     if not yes:
+        pid = lock_holder(path / "lock")  # a live engine: refused before any question too
+        if pid is not None:
+            raise click.ClickException(
+                f"{str(path)!r} is held by a live engine (pid {pid}); close it first"
+            )
         try:
             ok = click.confirm(f"Delete {os.path.join(root, name)} and every row in it?")
         except click.Abort:  # no answer: end of input
             ok = False
+        if not sys.stdin.isatty():
+            click.echo()  # the answer came from a pipe: end the prompt's line
         if not ok:
             raise click.ClickException("nothing removed (answer y, or pass --yes)")
     try:

@@ -124,7 +124,7 @@ def _inspect_group(group_dir: pathlib.Path, digest: bytes | None, group_id: int)
     }
 
 
-def _lock_holder(lock: pathlib.Path) -> int | None:
+def lock_holder(lock: pathlib.Path) -> int | None:
     """The pid written in ``lock`` if a live engine holds its flock, else None.
 
     The pid in the file stays after a close or a crash; only the flock tells
@@ -198,16 +198,24 @@ def folders_of(root: pathlib.Path, namespace: str) -> list[str]:
     return out
 
 
-def _last_written(directory: pathlib.Path) -> float | None:
-    """Newest modification time (Unix seconds) of a file in the folder or its groups."""
-    newest = None
+def _usage(directory: pathlib.Path) -> tuple[float | None, int]:
+    """Newest modification time of a segment file (Unix seconds, or None) and disk bytes.
+
+    The time is that of the rows (the group folders' files): an engine that
+    only opens the namespace rewrites ``lock``, not them. Disk bytes are
+    ``st_blocks * 512`` of every file under the folder.
+    """
+    newest, disk = None, 0
     with contextlib.suppress(OSError):
         for dirpath, _, files in os.walk(directory):
+            in_group = _GROUP_NAME.fullmatch(os.path.basename(dirpath)) is not None
             for f in files:
                 with contextlib.suppress(OSError):
-                    t = os.lstat(os.path.join(dirpath, f)).st_mtime
-                    newest = t if newest is None or t > newest else newest
-    return newest
+                    st = os.lstat(os.path.join(dirpath, f))
+                    disk += st.st_blocks * 512
+                    if in_group and (newest is None or st.st_mtime > newest):
+                        newest = st.st_mtime
+    return newest, disk
 
 
 def inspect_root(root: str | os.PathLike[str]) -> dict[str, Any]:
@@ -227,8 +235,9 @@ def inspect_root(root: str | os.PathLike[str]) -> dict[str, Any]:
         ``{"root": str, "namespaces": [{"directory", "format" (format.json
         as a dict, or None), "locked_by_pid", "groups": {group_id:
         {"segments": [...], "rows", "allocated_rows", "valid_rows",
-        "invalid_rows"}}, "last_written" (newest file modification, Unix
-        seconds, or None), "errors": [str]}]}``; ``rows`` is the row count
+        "invalid_rows"}}, "last_written" (newest modification of a segment
+        file, Unix seconds, or None), "disk_nbytes" (disk space of the
+        folder's files), "errors": [str]}]}``; ``rows`` is the row count
         the segment headers announce (the most rows the present files may
         grow to; the tier adds segment files as it needs them),
         ``allocated_rows`` the rows the files hold now. Garbage is
@@ -263,13 +272,15 @@ def inspect_root(root: str | os.PathLike[str]) -> dict[str, Any]:
                 groups[int(m.group(1))] = _inspect_group(group_dir, digest, int(m.group(1)))
             except OSError as exc:
                 errors.append(f"{group_dir.name}: cannot list: {exc}")
-        pid = _lock_holder(directory / "lock")
+        pid = lock_holder(directory / "lock")
+        last_written, disk_nbytes = _usage(directory)
         namespaces.append(
             {
                 "directory": directory.name,
                 "format": fmt,
                 "locked_by_pid": pid,
-                "last_written": _last_written(directory),
+                "last_written": last_written,
+                "disk_nbytes": disk_nbytes,
                 "groups": groups,
                 "errors": errors,
             }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import os
 import pathlib
 import secrets
@@ -141,10 +142,17 @@ def remove_namespace(root: str | os.PathLike[str], name: str) -> int:
 def _label_hint(root: pathlib.Path, name: str) -> str:
     """``"; the folders of namespace NAME are: ..."`` when ``name`` is a namespace label, else ''.
 
-    For a user who passes the ``NVMeConfig.namespace`` instead of a folder name.
+    For a user who passes the ``NVMeConfig.namespace`` instead of a folder
+    name, or the folder name without its ``-<digest>`` part.
     """
     folders = folders_of(root, name)
-    return f"; the folders of namespace {name!r} are: {', '.join(folders)}" if folders else ""
+    if folders:
+        return f"; the folders of namespace {name!r} are: {', '.join(folders)}"
+    with contextlib.suppress(OSError):  # the folder name's first part, without its digest
+        named = sorted(p.name for p in root.glob(f"{glob.escape(name)}-*") if is_namespace(p))
+        if named:
+            return f"; folders whose name starts so: {', '.join(named)}"
+    return ""
 
 
 def _disk_bytes(path: pathlib.Path) -> int:

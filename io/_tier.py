@@ -352,8 +352,9 @@ class NVMeTier:
                 "NVMe namespace %r: this engine uses %s; the root also holds folders of "
                 "other formats of this namespace (layout, blocks_per_chunk or row size), "
                 "which this engine never reads: %s. `kvtier inspect %s` shows which an "
-                "engine holds; `kvtier remove ROOT NAME` frees one that none holds",
+                "engine holds; `kvtier remove %s NAME` frees one that none holds",
                 self._namespace, self.directory.name, ", ".join(others), str(self._root),
+                str(self._root),
             )  # fmt: skip
         for group_id in self._specs:  # first segments (or more rows) before the first write
             _batches.grow_ahead(self, group_id)

@@ -222,7 +222,10 @@ def test_inspect_lists_namespaces_and_rows(tmp_path: Path) -> None:
     )
     assert ns["last_written"] is not None
     written = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ns["last_written"]))
-    assert f"last written {written}" in res.stdout
+    assert f"rows last written {written}" in res.stdout
+    assert "held by no engine" in res.stdout
+    assert ns["disk_nbytes"] > 0
+    assert f"{ns['disk_nbytes'] / 2**20:.1f} MiB on disk" in res.stdout
     assert f"can grow to {g0['rows']} rows" in res.stdout
 
 
@@ -259,6 +262,27 @@ def test_remove_asks_refuses_a_held_namespace_and_frees_it_once_released(
     assert f"no folder '{name}' under {tmp_path}" in res.stderr
 
 
+def test_remove_refuses_a_held_folder_before_asking(tmp_path: Path) -> None:
+    import fcntl
+
+    _store_rows(tmp_path)
+    (name,) = [p.name for p in tmp_path.iterdir() if p.name.startswith("ns1-")]
+    fd = os.open(tmp_path / name / "lock", os.O_RDWR)  # this process plays a live engine
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        res = kvtier("remove", str(tmp_path), name, cwd=tmp_path, input="y\n")
+    finally:
+        os.close(fd)
+    assert res.returncode == 1
+    assert "[y/N]" not in res.stdout  # no question about a folder it cannot remove
+    assert f"held by a live engine (pid {os.getpid()})" in res.stderr
+    assert (tmp_path / name / "format.json").is_file()
+    res = kvtier("remove", str(tmp_path), name, cwd=tmp_path, input="y\n")
+    assert res.returncode == 0, res.stderr
+    assert "[y/N]: \nremoved " in res.stdout  # the piped answer ends the prompt's line
+
+
 def test_remove_given_the_namespace_label_names_its_folders(tmp_path: Path) -> None:
     _store_rows(tmp_path)
     (name,) = [p.name for p in tmp_path.iterdir() if p.name.startswith("ns1-")]
@@ -266,6 +290,12 @@ def test_remove_given_the_namespace_label_names_its_folders(tmp_path: Path) -> N
     assert res.returncode == 1
     assert f"no folder 'ns1' under {tmp_path}" in res.stderr
     assert f"the folders of namespace 'ns1' are: {name}" in res.stderr
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "format.json").write_text('{"namespace": "a/b"}')
+    (tmp_path / "a_b-0123456789abcdef").mkdir()  # the folder name's first part, given alone
+    res = kvtier("remove", str(tmp_path), "a_b", "--yes", cwd=tmp_path)
+    assert res.returncode == 1
+    assert "folders whose name starts so: a_b-0123456789abcdef" in res.stderr
     assert (tmp_path / name / "format.json").is_file()
     res = kvtier("remove", str(tmp_path), name, cwd=tmp_path, input="y\n")  # piped answer
     assert res.returncode == 0, res.stderr

@@ -189,3 +189,28 @@ async def test_inspect_skips_names_the_tier_does_not_write(tmp_path, slots) -> N
     assert [s["file"] for s in ns["groups"][0]["segments"]] == ["0.kvrows"]
     assert ns["groups"][0]["valid_rows"] == 1
     assert ns["errors"] == []
+
+
+async def test_last_written_is_the_rows_time_and_an_open_does_not_move_it(tmp_path, slots) -> None:
+    """An engine that only opens a folder (it rewrites ``lock``) leaves its time alone."""
+    root = tmp_path / "nvme"
+    tier = NVMeTier(**tier_kwargs(root))
+    await tier.open()
+    buf = slots(1)
+    assert await tier.write_rows(
+        [(key(0), 0, 4, buf.fill(0, payload(key(0), GROUP_NBYTES[0])))]
+    ) == [None]
+    await tier.close()
+    (ns,) = inspect_root(root)["namespaces"]
+    segments = list(tier.directory.rglob("*.kvrows"))
+    assert ns["last_written"] == max(p.stat().st_mtime for p in segments)
+    assert ns["disk_nbytes"] == sum(
+        p.stat().st_blocks * 512 for p in tier.directory.rglob("*") if p.is_file()
+    )
+    for p in segments:  # rows written long ago
+        os.utime(p, (1_000_000_000, 1_000_000_000))
+    again = NVMeTier(**tier_kwargs(root))
+    await again.open()
+    await again.close()
+    (ns,) = inspect_root(root)["namespaces"]
+    assert ns["last_written"] == 1_000_000_000

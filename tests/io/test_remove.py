@@ -173,6 +173,7 @@ async def test_opening_a_namespace_names_its_folders_of_other_formats(
     assert old.directory.name in message
     assert current.directory.name in message
     assert stranger.directory.name not in message  # another namespace label
+    assert f"`kvtier remove {root} NAME`" in message
     caplog.clear()
     with caplog.at_level("WARNING", logger="kvtier.io"):
         remove_namespace(root, old.directory.name)

@@ -382,7 +382,7 @@ async def test_open_warning_skips_odd_entries_and_names_only_real_other_formats(
 
 
 # Fixed bug: the open warning says a folder of another format is 'not used' while a live engine
-# holds it (other_formats never checks the lock, as inspect's _lock_holder does)
+# holds it (other_formats never checks the lock, as inspect's lock_holder does)
 async def test_open_warning_does_not_call_a_live_engines_folder_unused(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -455,7 +455,8 @@ def test_inspect_prints_odd_but_well_typed_format_json(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     assert "format: g?: 0 x , rows of ? B; g?: 1 x None ?, rows of ? B" in res.output
     assert "format.json: unreadable" in res.output
-    assert "last written never" not in res.output.split("odd-")[1]
+    # no segment file: no rows were ever written (format.json's time does not count)
+    assert "rows last written never" in res.output.split("odd-")[1]
 
 
 def _tmpfs_root() -> Path | None:
@@ -487,7 +488,9 @@ def test_inspect_survives_a_far_future_modification_time() -> None:
         folder = root / "ns-0123456789abcdef"
         folder.mkdir()
         (folder / "format.json").write_text(json.dumps({"namespace": "ns"}))
-        os.utime(folder / "format.json", (0, 1e17))  # a bad clock, a restored archive
+        (folder / "g0").mkdir()
+        (folder / "g0" / "0.seg").write_bytes(b"")
+        os.utime(folder / "g0" / "0.seg", (0, 1e17))  # a bad clock, a restored archive
         assert inspect_root(root)["namespaces"][0]["last_written"] == 1e17
         res = CliRunner().invoke(cli_main, ["inspect", str(root)])
         assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)

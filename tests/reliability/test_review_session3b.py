@@ -311,10 +311,12 @@ def test_inspect_counts_only_namespace_folders(tmp_path: pathlib.Path) -> None:
     (tmp_path / "-0123456789abcdef").mkdir()  # no namespace part
     (tmp_path / "y-0123456789abcdef0").mkdir()  # 17 digits
     (tmp_path / "f-0123456789abcdef").write_text("a file")
-    for args in ((), ("--json",)):
-        res = _inspect(tmp_path, *args)
-        assert res.exit_code == 1, res.output
-        assert "no kvtier namespace folder" in res.output
+    res = _inspect(tmp_path)
+    assert res.exit_code == 1, res.output
+    assert "no kvtier namespace folder" in res.output
+    res = _inspect(tmp_path, "--json")  # an empty list, for scripts
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["namespaces"] == []
     (tmp_path / "ns-0123456789abcdef").mkdir()
     (tmp_path / "renamed").mkdir()
     (tmp_path / "renamed" / "format.json").write_text("{}")
