@@ -643,8 +643,10 @@ class TransferEngine:
             nbytes = len(chunk.block_ids) * self.layout.group(key.group_id).block_payload_nbytes
             requests.append((key, chunk.offset, chunk.stop, nbytes))
             by_key[key] = chunk
-        # Every key of the call is protected, the skipped (present) ones too.
-        protect = {c.key for c in chunks}
+        # Every key of the call is protected, the skipped (present) ones too
+        # (a set is built only when the call must evict).
+        evicts = len(requests) > self._pool.free_count
+        protect = {c.key for c in chunks} if evicts else frozenset[OffloadKey]()
         entries, rejected, _evicted = self._pool.reserve(requests, protect=protect)
         self._c.rejected += len(rejected)
         loop = asyncio.get_running_loop()
