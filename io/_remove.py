@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import glob
 import os
 import pathlib
+import re
 import secrets
 import shutil
 import stat
@@ -148,8 +148,9 @@ def _label_hint(root: pathlib.Path, name: str) -> str:
     folders = folders_of(root, name)
     if folders:
         return f"; the folders of namespace {name!r} are: {', '.join(folders)}"
-    with contextlib.suppress(OSError):  # the folder name's first part, without its digest
-        named = sorted(p.name for p in root.glob(f"{glob.escape(name)}-*") if is_namespace(p))
+    digest_of = re.compile(re.escape(name) + r"-[0-9a-f]{16}")  # the name without its digest
+    with contextlib.suppress(OSError):
+        named = sorted(p.name for p in root.iterdir() if digest_of.fullmatch(p.name))
         if named:
             return f"; folders whose name starts so: {', '.join(named)}"
     return ""
