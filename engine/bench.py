@@ -534,6 +534,23 @@ def _torch_gather(
         torch.cuda.synchronize()
 
 
+async def _in_thread(fn: Callable[..., float], *args: Any) -> float:
+    """``fn(*args)`` on a worker thread; if the caller is cancelled, only once it ended.
+
+    A baseline's thread keeps writing under the bench's temporary folder after
+    its awaiting task is cancelled (SIGTERM, Ctrl-C): the folder may be
+    removed only once the thread is done with it.
+    """
+    fut = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        while not fut.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(fut)
+        raise
+
+
 async def _nvme_phases(
     cfg: BenchConfig,
     layout: KVLayout,
@@ -547,6 +564,7 @@ async def _nvme_phases(
     tmp = tempfile.mkdtemp(prefix="kvtier-bench-", dir=base_root)
     info: dict[str, Any] = {"tmpdir": tmp}
     loop = asyncio.get_running_loop()
+    baselines: _Baselines | None = None
     try:
         rows = {g: round_up(layout.group_nbytes(g, bpc)) + 4096 for g in layout.group_ids}
         row_bytes = sum(rows[c.key.group_id] for c in chunks)
@@ -579,13 +597,9 @@ async def _nvme_phases(
                 max_batch_chunks=cfg.batch_chunks,
             )
             progress(f"repeat {r + 1}/{cfg.repeat}: raw sequential write")
-            write.baselines["raw_sequential"].append(
-                await loop.run_in_executor(None, baselines.raw_write)
-            )
+            write.baselines["raw_sequential"].append(await _in_thread(baselines.raw_write))
             progress(f"repeat {r + 1}/{cfg.repeat}: raw sequential write, checksummed")
-            write.baselines["raw_checksummed"].append(
-                await loop.run_in_executor(None, baselines.raw_write, True)
-            )
+            write.baselines["raw_checksummed"].append(await _in_thread(baselines.raw_write, True))
             progress(f"repeat {r + 1}/{cfg.repeat}: kvtier CPU -> NVMe")
             staged = dataclasses.replace(ecfg, write_through=False)
             async with kvtier.TransferEngine(layout, staged) as engine:
@@ -618,18 +632,12 @@ async def _nvme_phases(
             for name in e2e.baselines:
                 e2e.baselines[name].append(write.baselines[name][-1])
             progress(f"repeat {r + 1}/{cfg.repeat}: file-per-chunk write")
-            write.baselines["file_per_chunk"].append(
-                await loop.run_in_executor(None, baselines.files_write)
-            )
+            write.baselines["file_per_chunk"].append(await _in_thread(baselines.files_write))
 
             progress(f"repeat {r + 1}/{cfg.repeat}: raw sequential read")
-            read.baselines["raw_sequential"].append(
-                await loop.run_in_executor(None, baselines.raw_read)
-            )
+            read.baselines["raw_sequential"].append(await _in_thread(baselines.raw_read))
             progress(f"repeat {r + 1}/{cfg.repeat}: raw sequential read, checksummed")
-            read.baselines["raw_checksummed"].append(
-                await loop.run_in_executor(None, baselines.raw_read, True)
-            )
+            read.baselines["raw_checksummed"].append(await _in_thread(baselines.raw_read, True))
             progress(f"repeat {r + 1}/{cfg.repeat}: kvtier cold promotion")
             batches = _batches(chunks, cfg.batch_chunks)
             for direction in ("prefetch", "load"):
@@ -652,12 +660,11 @@ async def _nvme_phases(
                     raise AssertionError(f"round trip store -> NVMe -> {direction} changed bytes")
             info["verified_repeats"] = r + 1
             progress(f"repeat {r + 1}/{cfg.repeat}: file-per-chunk read")
-            read.baselines["file_per_chunk"].append(
-                await loop.run_in_executor(None, baselines.files_read)
-            )
+            read.baselines["file_per_chunk"].append(await _in_thread(baselines.files_read))
             shutil.rmtree(root, ignore_errors=True)
-        baselines.close()
     finally:
+        if baselines is not None:
+            baselines.close()  # its threads are done with the folder (_in_thread)
         shutil.rmtree(tmp, ignore_errors=True)
     info["tmpdir_removed"] = not await loop.run_in_executor(None, os.path.exists, tmp)
     return info

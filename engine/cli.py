@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -32,24 +33,39 @@ def parse_size(text: str) -> int:
     return size
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+async def _stoppable(coro: Any) -> Any:
+    """Run ``coro`` as the main task; SIGTERM cancels it (where the loop can catch signals).
+
+    A job scheduler's stop then ends the run as Ctrl-C does: the task is
+    cancelled at its next ``await``, so its ``finally`` blocks and engine
+    closes run and temporary files and namespace locks are cleaned up. (A
+    ``KeyboardInterrupt`` raised by a signal handler could land anywhere,
+    e.g. inside a copy's completion callback, and leave the run hanging.)
+    """
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    try:
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    except (NotImplementedError, RuntimeError):  # no loop signal handlers here
+        return await coro
+    try:
+        return await coro
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
 
 
 def _run(coro: Any) -> Any:
-    # SIGTERM (a job scheduler's stop) ends the run like Ctrl-C: the running
-    # tasks are cancelled, so temporary files and namespace locks are cleaned up.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        try:
-            import uvloop
-        except ImportError:  # pragma: no cover - uvloop is a dependency
-            import asyncio
-
-            return asyncio.run(coro)
-        return uvloop.run(coro)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        run: Any = asyncio.run
+    else:
+        run = uvloop.run
+    try:
+        return run(_stoppable(coro))
+    except asyncio.CancelledError:  # SIGTERM: stopped like Ctrl-C ("Aborted!", exit 1)
+        raise KeyboardInterrupt("SIGTERM") from None
 
 
 @click.group()
