@@ -45,7 +45,15 @@ from kvtier.io._inspect import folders_of, other_formats
 from ..engine.helpers import key, same
 from ..io.faults import DelegatingRowIO
 from ._faultio import KeyFault, Wrapper
-from .test_review_session7 import _await_for, _cfg, _closed_seen, _layout, _nvme, _wait_for
+from .test_review_session7 import (
+    _await_for,
+    _blocked_durable_store,
+    _cfg,
+    _closed_seen,
+    _layout,
+    _nvme,
+    _wait_for,
+)
 
 R = kvtier.Residency
 
@@ -181,50 +189,15 @@ async def test_aclose_during_start_leaves_no_thread_slot_or_lock_behind(tmp_path
 # ====================================================================== BackgroundEngine
 
 
-# Fixed bug: cancel(timeout=1e10) passes validation, cancels the call, then Future.result raises
-# OverflowError (above threading.TIMEOUT_MAX): untyped, state changed
-def test_background_cancel_with_a_timeout_too_large_changes_nothing(tmp_path: Path) -> None:
-    layout, _ = _layout()
-    slow = key("slow", 0)
-    fault = KeyFault("write", "block", hashes=frozenset({slow.block_hash}))
-    bg = kvtier.BackgroundEngine(layout, _cfg(layout, 4, _nvme(tmp_path, wrapper=Wrapper(fault))))
-    bg.start()
-    durable = bg.store([kvtier.Chunk(slow, [0, 1])], durable=True)
-    try:
-        _wait_for(lambda: fault.hits == 1, "the durable row write to block")
-        error: BaseException | None = None
-        try:
-            bg.cancel(durable, timeout=1e10)  # ~317 years: a number >= 0
-        except BaseException as exc:
-            error = exc
-        # Either it is a valid timeout (then it waits, which this call would not survive:
-        # it must not get here with an error), or it is refused before anything changes.
-        assert isinstance(error, InvalidArgumentError), repr(error)
-        assert not durable.cancelled(), "the bad call cancelled the durable store"
-    finally:
-        fault.gate.set()
-        with contextlib.suppress(BaseException):
-            durable.result(10)
-        bg.close()
-
-
-@pytest.mark.parametrize("timeout", [-1, float("nan"), True, "1", float("-inf")])
+# 1e10: a fixed bug. cancel(timeout=1e10) passed validation, cancelled the call, then
+# Future.result raised OverflowError (above threading.TIMEOUT_MAX): untyped, state changed
+@pytest.mark.parametrize("timeout", [-1, float("nan"), True, "1", float("-inf"), 1e10])
 def test_background_cancel_with_a_bad_timeout_cancels_nothing(tmp_path: Path, timeout: Any) -> None:
-    layout, _ = _layout()
-    slow = key("slow", 0)
-    fault = KeyFault("write", "block", hashes=frozenset({slow.block_hash}))
-    bg = kvtier.BackgroundEngine(layout, _cfg(layout, 4, _nvme(tmp_path, wrapper=Wrapper(fault))))
-    bg.start()
-    durable = bg.store([kvtier.Chunk(slow, [0, 1])], durable=True)
-    try:
-        _wait_for(lambda: fault.hits == 1, "the durable row write to block")
+    with _blocked_durable_store(tmp_path) as (bg, durable, slow):
         with pytest.raises(InvalidArgumentError):
             bg.cancel(durable, timeout=timeout)
         assert not durable.done()
-    finally:
-        fault.gate.set()
-        assert durable.result(10).stored == (slow,)
-        bg.close()
+    assert durable.result().stored == (slow,)
 
 
 def test_background_calls_from_a_done_callback_query_or_refuse_without_side_effects() -> None:

@@ -34,7 +34,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -279,9 +279,15 @@ def test_background_cancel_of_a_non_future_is_a_typed_error() -> None:
         bg.cancel("not a future")  # type: ignore[arg-type]
 
 
-# Fixed bug: BackgroundEngine.cancel(fut, timeout='1') cancels the call, then raises TypeError:
-# bad input changes state and is untyped
-def test_background_cancel_with_a_bad_timeout_changes_nothing(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _blocked_durable_store(
+    tmp_path: Path,
+) -> Iterator[tuple[kvtier.BackgroundEngine, concurrent.futures.Future[Any], kvtier.OffloadKey]]:
+    """A BackgroundEngine whose durable store of one key waits in its row write.
+
+    Yields ``(engine, the store's Future, its key)``; on exit the write is
+    released, the store awaited and the engine closed.
+    """
     layout, _ = _layout()
     slow = key("slow", 0)
     fault = KeyFault("write", "block", hashes=frozenset({slow.block_hash}))
@@ -290,6 +296,18 @@ def test_background_cancel_with_a_bad_timeout_changes_nothing(tmp_path: Path) ->
     durable = bg.store([kvtier.Chunk(slow, [0, 1])], durable=True)
     try:
         _wait_for(lambda: fault.hits == 1, "the durable row write to block")
+        yield bg, durable, slow
+    finally:
+        fault.gate.set()
+        with contextlib.suppress(BaseException):
+            durable.result(10)
+        bg.close()
+
+
+# Fixed bug: BackgroundEngine.cancel(fut, timeout='1') cancels the call, then raises TypeError:
+# bad input changes state and is untyped
+def test_background_cancel_with_a_bad_timeout_changes_nothing(tmp_path: Path) -> None:
+    with _blocked_durable_store(tmp_path) as (bg, durable, _):
         assert not durable.done()
         try:
             with pytest.raises(InvalidArgumentError):
@@ -297,11 +315,6 @@ def test_background_cancel_with_a_bad_timeout_changes_nothing(tmp_path: Path) ->
         finally:
             still_pending = not durable.cancelled()
         assert still_pending, "the bad call cancelled the durable store"
-    finally:
-        fault.gate.set()
-        with contextlib.suppress(BaseException):
-            durable.result(10)
-        bg.close()
 
 
 def test_background_calls_after_close_raise_at_once_and_close_is_idempotent(tmp_path: Path) -> None:
