@@ -26,6 +26,8 @@ from kvtier.layout import KVLayout
 
 T = TypeVar("T")
 
+_CLOSED = "BackgroundEngine is closed or not started"
+
 
 def _new_loop() -> asyncio.AbstractEventLoop:
     try:
@@ -73,13 +75,17 @@ class BackgroundEngine:
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         with self._lock:
-            if self._closed or not self._thread.is_alive():
+            if not self._running():
                 coro.close()
-                raise EngineClosedError("BackgroundEngine is closed or not started")
+                raise EngineClosedError(_CLOSED)
             return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     async def _call(self, fn: Any, *args: Any) -> Any:
         return fn(*args)
+
+    def _running(self) -> bool:
+        """Started and not closed (call it holding ``_lock``)."""
+        return not self._closed and self._thread.is_alive()
 
     def _on_engine_thread(self) -> bool:
         return threading.current_thread() is self._thread
@@ -93,8 +99,8 @@ class BackgroundEngine:
         """
         if self._on_engine_thread():
             with self._lock:
-                if self._closed:
-                    raise EngineClosedError("BackgroundEngine is closed or not started")
+                if not self._running():
+                    raise EngineClosedError(_CLOSED)
             return fn(*args)
         return self._submit(self._call(fn, *args)).result()
 
@@ -193,8 +199,8 @@ class BackgroundEngine:
             )
         self._refuse_on_engine_thread("cancel")
         with self._lock:
-            if self._closed or not self._thread.is_alive():
-                raise EngineClosedError("BackgroundEngine is closed or not started")
+            if not self._running():
+                raise EngineClosedError(_CLOSED)
         cancelled = future.cancel()
         if not cancelled and future.done():
             return False  # it had finished: its call has ended
@@ -262,7 +268,7 @@ class BackgroundEngine:
         if not first:
             if hard and alive:  # a soft close is running: drop its rows not yet written
                 with contextlib.suppress(RuntimeError):  # the loop has closed already
-                    self._loop.call_soon_threadsafe(self.engine._cancel_writes_if_closing)
+                    self._loop.call_soon_threadsafe(self.engine._request_hard_close)
             self._close_done.wait()
             return
         try:

@@ -221,6 +221,7 @@ class TransferEngine:
         # whether aclose() asked it to stop at its next step.
         self._started: asyncio.Future[None] | None = None
         self._close_requested = False
+        self._hard_close = False  # the close drops rows not yet written (aclose(hard=True))
         self._c = _Counters()
         self._nvme: Any = None
         self._nvme_final: dict[str, Any] | None = None  # the tier's last counters once closed
@@ -365,24 +366,28 @@ class TransferEngine:
             self._close_task = asyncio.get_running_loop().create_task(self._close(hard))
             self._close_task.add_done_callback(lambda t: t.cancelled() or t.exception())
         elif hard:
-            self._cancel_writes_if_closing()
+            self._request_hard_close()
         await asyncio.shield(self._close_task)
 
-    def _cancel_writes_if_closing(self) -> None:
-        """A hard close asked for while a soft one runs: drop the rows not yet written.
+    def _request_hard_close(self) -> None:
+        """Make the close in progress, or about to start, hard: drop rows not yet written.
 
         Once the engine is closed there is nothing left to drop (the writer
         is detached then).
         """
+        if self._state == "closed":
+            return
+        self._hard_close = True
         if self._state == "closing" and self._writer is not None:
-            self._writer.cancel()
+            self._writer.cancel()  # the close may be draining: now, not at its next step
 
     async def _close(self, hard: bool) -> None:
         self._state = "closing"
+        self._hard_close |= hard
         writer = self._writer
         try:
             while True:
-                if hard and writer is not None:
+                if self._hard_close and writer is not None:
                     writer.cancel()
                 if self._tasks:  # stores finishing now queue row writes: loop again
                     await asyncio.gather(*list(self._tasks), return_exceptions=True)
