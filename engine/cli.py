@@ -9,7 +9,8 @@ import re
 import signal
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 
@@ -68,6 +69,16 @@ def _run(coro: Any) -> Any:
         raise KeyboardInterrupt("SIGTERM") from None
 
 
+FC = TypeVar("FC", bound=Callable[..., Any])
+
+
+def _count(name: str, default: int, help: str, minimum: int = 1) -> Callable[[FC], FC]:
+    """A ``--name INTEGER`` option of at least ``minimum``, its default shown in ``--help``."""
+    return click.option(
+        name, default=default, show_default=True, type=click.IntRange(minimum), help=help
+    )
+
+
 @click.group()
 @click.version_option(package_name="kvtier")
 def main() -> None:
@@ -88,33 +99,13 @@ def main() -> None:
     show_default=True,
     help="KV cache bytes moved per phase (at least one chunk per group).",
 )
-@click.option(
-    "--blocks-per-chunk",
-    default=16,
-    show_default=True,
-    type=click.IntRange(1),
-    help="GPU blocks per chunk (one offload key, one NVMe row per group).",
-)
-@click.option(
-    "--tokens-per-block",
-    default=16,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Tokens per GPU block (sets the block size of the layout).",
-)
-@click.option(
-    "--batch-chunks",
-    default=32,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Chunks per store/load/prefetch call.",
-)
-@click.option(
+@_count("--blocks-per-chunk", 16, "GPU blocks per chunk (one offload key, one NVMe row per group).")
+@_count("--tokens-per-block", 16, "Tokens per GPU block (sets the block size of the layout).")
+@_count("--batch-chunks", 32, "Chunks per store/load/prefetch call.")
+@_count(
     "--io-threads",
-    default=4,
-    show_default=True,
-    type=click.IntRange(1),
-    help="NVMe I/O threads (requests in flight), for kvtier and the raw baseline alike.",
+    4,
+    "NVMe I/O threads (requests in flight), for kvtier and the raw baseline alike.",
 )
 @click.option(
     "--io-backend",
@@ -138,20 +129,10 @@ def main() -> None:
     type=click.Choice(["random", "sequential"]),
     help="Block ids of a chunk: scattered over the cache, or consecutive.",
 )
-@click.option(
-    "--repeat",
-    default=3,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Passes of every phase; ratios are of the median pass (1: one noisy sample).",
+@_count(
+    "--repeat", 3, "Passes of every phase; ratios are of the median pass (1: one noisy sample)."
 )
-@click.option(
-    "--inflight-batches",
-    default=4,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Store/load calls in flight in the copy and promotion phases.",
-)
+@_count("--inflight-batches", 4, "Store/load calls in flight in the copy and promotion phases.")
 @click.option(
     "--dir",
     "root",
@@ -232,27 +213,14 @@ def bench(**kw: Any) -> None:
 
 @main.command()
 @click.option("--model", required=True, help="gemma3-270m, a tiny-* model, or tiny-all.")
-@click.option(
+@_count(
     "--prompt-tokens",
-    default=200,
-    show_default=True,
-    type=click.IntRange(2),
-    help="Prompt length; its KV cache is stored, reloaded and resumed from.",
+    200,
+    "Prompt length; its KV cache is stored, reloaded and resumed from.",
+    minimum=2,
 )
-@click.option(
-    "--block-tokens",
-    default=16,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Tokens per KV cache block.",
-)
-@click.option(
-    "--blocks-per-chunk",
-    default=4,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Blocks per chunk (offload key).",
-)
+@_count("--block-tokens", 16, "Tokens per KV cache block.")
+@_count("--blocks-per-chunk", 4, "Blocks per chunk (offload key).")
 @click.option(
     "--dtype",
     default="float32",
