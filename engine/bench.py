@@ -107,6 +107,20 @@ class BenchConfig:
     """Freeze the set-up heap before the phases, as a serving process does after start-up."""
 
 
+_NVME_STEPS_PER_REPEAT = 9
+"""``progress`` calls of one repeat of :func:`_nvme_phases`."""
+
+
+def bench_steps(cfg: BenchConfig) -> int:
+    """How many times :func:`run_bench` calls its ``progress`` callback for ``cfg``.
+
+    Set-up, the copy phases and the scheduling overhead, plus
+    ``_NVME_STEPS_PER_REPEAT`` per repeat with ``cfg.nvme``: the total of a
+    progress bar whose ``n``-th call starts step ``n``.
+    """
+    return 3 + (_NVME_STEPS_PER_REPEAT * cfg.repeat if cfg.nvme else 0)
+
+
 @dataclass
 class Phase:
     """Figures of one phase: kvtier and its baselines (GB/s = 1e9 bytes/s)."""
@@ -712,7 +726,8 @@ async def run_bench(
 
     Args:
         cfg: options; ``size_bytes`` is the KV cache size (bytes) moved per phase.
-        progress: called with a short description as phases start.
+        progress: called with a short description as each step starts, never
+            inside a timed region: :func:`bench_steps` times in all.
 
     Returns:
         ``{"config", "machine", "layout", "phases": {name: summary},

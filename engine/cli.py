@@ -156,8 +156,15 @@ def main() -> None:
 def bench(**kw: Any) -> None:
     """Measure store/load and NVMe throughput against baselines run alongside."""
     from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
-    from kvtier.bench import BenchConfig, format_table, plot, run_bench, to_json
+    from kvtier.bench import BenchConfig, bench_steps, format_table, plot, run_bench, to_json
 
     if kw["plot_path"]:
         try:
@@ -187,12 +194,30 @@ def bench(**kw: Any) -> None:
         nvme=not kw["no_nvme"],
         gc_freeze=kw["gc_freeze"],
     )
-    console = Console(stderr=True)
-    with console.status("kvtier bench") as status:
+    # Redrawn only when a step starts (auto_refresh=False): a refresh thread
+    # would take the GIL in the middle of the timed phases.
+    bar = Progress(
+        TextColumn("kvtier bench"),
+        BarColumn(bar_width=24),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=Console(stderr=True),
+        auto_refresh=False,
+        transient=True,
+    )
+    with bar:
+        task = bar.add_task("starting", total=bench_steps(cfg))
+        started = 0
+
+        def progress(msg: str) -> None:
+            nonlocal started
+            bar.update(task, description=msg, completed=started)
+            bar.refresh()
+            started += 1
+
         try:
-            result = _run(
-                run_bench(cfg, progress=lambda msg: status.update(f"kvtier bench: {msg}"))
-            )
+            result = _run(run_bench(cfg, progress=progress))
         except KVTierError as exc:
             raise click.ClickException(str(exc)) from exc
     Console().print(format_table(result))

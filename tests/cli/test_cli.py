@@ -105,6 +105,24 @@ def test_bench_json_layout_file(tmp_path: Path) -> None:
     assert result["gc_frozen_objects"] == 0
 
 
+@pytest.mark.parametrize(("nvme", "repeat"), [(False, 1), (True, 2)])
+async def test_the_progress_bar_total_is_the_number_of_steps_the_bench_reports(
+    tmp_path: Path, nvme: bool, repeat: int
+) -> None:
+    from kvtier.bench import BenchConfig, bench_steps, run_bench
+
+    cfg = BenchConfig(
+        size_bytes=2 << 20, repeat=repeat, nvme=nvme, device="cpu", root=str(tmp_path),
+        direct_io="off",
+    )  # fmt: skip
+    steps: list[str] = []
+    await run_bench(cfg, progress=steps.append)
+    assert len(steps) == bench_steps(cfg)
+    assert len(set(steps)) == len(steps)  # every step says which one it is
+    per_repeat = [sum(f"repeat {r + 1}/{repeat}" in s for s in steps) for r in range(repeat)]
+    assert per_repeat == [(len(steps) - 3) // repeat] * repeat
+
+
 async def test_run_bench_freezes_its_set_up_heap_only_for_the_phases() -> None:
     from kvtier.bench import BenchConfig, run_bench
 
