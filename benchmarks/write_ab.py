@@ -42,6 +42,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import uvloop
 
@@ -128,19 +129,32 @@ async def _leg(
     return seconds
 
 
-async def main(args: argparse.Namespace) -> None:
-    cfg = BenchConfig(size_bytes=args.size_mib << 20)
+def leg_setup(size_mib: int, where: str, prefix: str) -> tuple[Any, ...]:
+    """The leg's data as ``kvtier bench`` builds it (also used by ``write_trace.py``).
+
+    Returns:
+        ``(layout, chunks, tmp, groups, row_bytes, base)``: the Gemma-3-270M
+        layout of ``size_mib`` MiB, its chunks (16 blocks, random ids), a new
+        temporary folder under ``where``, the number of groups, the bytes of
+        all rows, and the raw-write baselines writing into ``tmp``.
+    """
+    cfg = BenchConfig(size_bytes=size_mib << 20)
     shape = model_shape(cfg.layout, cfg.tokens_per_block)
     num_blocks = cfg.size_bytes // shape.block_nbytes()
     layout = shape.build(num_blocks - num_blocks % 16, "cpu")
     chunks = _chunks(layout, shape, 16, 0, "random")
-    tmp = tempfile.mkdtemp(prefix="kvtier-ab-", dir=args.dir)
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=where)
     rows = {g: round_up(layout.group_nbytes(g, 16)) + 4096 for g in layout.group_ids}
     row_bytes = sum(rows[c.key.group_id] for c in chunks)
     base = _Baselines(cfg, tmp, row_bytes, max(rows.values()), len(chunks))
+    return layout, chunks, tmp, len(rows), row_bytes, base
+
+
+async def main(args: argparse.Namespace) -> None:
+    layout, chunks, tmp, groups, row_bytes, base = leg_setup(args.size_mib, args.dir, "kvtier-ab-")
     nvme = kvtier.NVMeConfig(
         root=os.path.join(tmp, "tier"),
-        capacity_bytes=2 * row_bytes + len(rows) * (256 << 20),
+        capacity_bytes=2 * row_bytes + groups * (256 << 20),
         namespace="ab",
     )
     loop = asyncio.get_running_loop()

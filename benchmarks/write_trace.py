@@ -27,18 +27,16 @@ import asyncio
 import gc
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import uvloop
+from write_ab import leg_setup
 
 import kvtier
-from kvtier._shapes import model_shape
-from kvtier.bench import BenchConfig, _Baselines, _batches, _chunks
+from kvtier.bench import _batches
 from kvtier.io import RowIO
-from kvtier.layout import round_up
 
 _EVENTS: list[tuple[str, float, float, int]] = []
 """``(kind, start, end, bytes)`` of every traced call (``w``rite, ``s``ync, ``a``llocate)."""
@@ -94,19 +92,13 @@ def _report(side: str, t0: float, t1: float, nbytes: int) -> None:
 
 
 async def main(args: argparse.Namespace) -> None:
-    cfg = BenchConfig(size_bytes=args.size_mib << 20)
-    shape = model_shape(cfg.layout, cfg.tokens_per_block)
-    num_blocks = cfg.size_bytes // shape.block_nbytes()
-    layout = shape.build(num_blocks - num_blocks % 16, "cpu")
-    chunks = _chunks(layout, shape, 16, 0, "random")
-    tmp = tempfile.mkdtemp(prefix="kvtier-trace-", dir=args.dir)
-    rows = {g: round_up(layout.group_nbytes(g, 16)) + 4096 for g in layout.group_ids}
-    row_bytes = sum(rows[c.key.group_id] for c in chunks)
-    base = _Baselines(cfg, tmp, row_bytes, max(rows.values()), len(chunks))
+    layout, chunks, tmp, groups, row_bytes, base = leg_setup(
+        args.size_mib, args.dir, "kvtier-trace-"
+    )
     base.io = _Tracing(base.io)
     nvme = kvtier.NVMeConfig(
         root=os.path.join(tmp, "tier"),
-        capacity_bytes=2 * row_bytes + len(rows) * (256 << 20),
+        capacity_bytes=2 * row_bytes + groups * (256 << 20),
         namespace="trace",
         segment_nbytes=256 << 20,
         row_io_wrapper=_Tracing,
