@@ -604,7 +604,9 @@ class TransferEngine:
         Args:
             chunks: one :class:`Chunk` per key, ``block_ids`` in
                 ``[0, num_blocks)`` of its group, ``offset + len(block_ids) <=
-                blocks_per_chunk``, no key twice.
+                blocks_per_chunk``, no key twice. A block id may repeat in a
+                store (its page is copied into each sub-block that names it);
+                :meth:`load` refuses that, since it would write one page twice.
             durable: wait for the call's NVMe rows to be durable (needs an
                 NVMe tier).
 
@@ -617,7 +619,7 @@ class TransferEngine:
             EngineClosedError: the engine is not open.
             NotDurableError: ``durable`` and rows of the call's keys could not
                 be written (its ``result`` is the StoreResult; the keys stay in CPU slots).
-            StorageError: ``durable`` and the ``fdatasync`` failed.
+            StorageError: ``durable`` and the ``fdatasync`` failed (see :meth:`flush`).
 
         """
         self._check_open()
@@ -1145,7 +1147,11 @@ class TransferEngine:
             NotDurableError: rows of keys stored before the call could not be
                 written since the last flush reported them (``failed`` names the
                 keys; they stay in CPU slots, a restart will not find them).
-            StorageError: an ``fdatasync`` failed (the next flush retries it).
+            StorageError: an ``fdatasync`` failed. The keys written to that
+                segment file since its last good sync leave NVMe (a retried
+                sync would not prove them durable) and stay in their CPU slots;
+                ``store(keys, durable=True)`` writes them again. The next
+                flush syncs again.
             EngineClosedError: the engine is not open.
 
         Cancellation: the writes continue; other flushes and durable stores

@@ -212,7 +212,8 @@ class NVMeWriter:
             NotDurableError: rows queued before the call failed since the last
                 flush that reported them (every flush in progress when they
                 are reported gets them too).
-            StorageError: an ``fdatasync`` failed.
+            StorageError: an ``fdatasync`` failed (the tier dropped the keys
+                written to that segment since its last good sync).
 
         Cancellation: the writes continue; other callers waiting for the same
         rows are not affected; unreported failures stay for the next flush.

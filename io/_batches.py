@@ -121,7 +121,9 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
             tier._write_epoch += 1
         for k, job in enumerate(run):
             if exc is None and n >= (k + 1) * row:
-                tier._index.finish_write(job.key, job.ref, job.seq, job.start, job.stop)
+                if tier._index.finish_write(job.key, job.ref, job.seq, job.start, job.stop):
+                    segment = (job.ref.group_id, job.ref.segment)
+                    tier._unsynced.setdefault(segment, {})[job.ref.row] = job.key
                 tier._counts["write_bytes"] += row
                 continue
             err = (
@@ -168,6 +170,7 @@ def reserve_rows(
             )
             results[job.pos] = err
             fail(tier, err.kind)
+            index.abandon_write(job.key, job.seq)
             continue
         if ref is None and group_id not in short:
             ref = index.take_free(group_id)
@@ -197,9 +200,9 @@ async def _write_group(
             if isinstance(ref, StorageError):
                 results[job.pos] = ref
                 fail(tier, ref.kind)
+                tier._index.abandon_write(job.key, job.seq)
                 continue
             job.ref = ref
-        job.seq = tier._index.begin_write(job.key)
         placed.append(job)
     if jobs:
         grow_ahead(tier, jobs[0].key.group_id)

@@ -233,8 +233,9 @@ def scan_segment(row_io: RowIO, path: pathlib.Path, spec: GroupSpec, number: int
     Segment files grow lazily: a file may end before the ``num_rows`` rows
     its header announces; the rows it holds in full are allocated, the rest
     are not (a row cut in the middle counts invalid). Blank (all-zero)
-    trailers are free rows; undecodable or foreign trailers are counted
-    invalid (and are free space). Nothing is written. An entry that is not a
+    trailers are free rows; undecodable, foreign or unreadable (an I/O
+    error reading that trailer) trailers are counted invalid and are free
+    space: only their rows are lost. Nothing is written. An entry that is not a
     regular file (a directory, a FIFO) or cannot be opened (a dangling link)
     is unusable, like a bad header: never an exception.
     """
@@ -261,7 +262,12 @@ def scan_segment(row_io: RowIO, path: pathlib.Path, spec: GroupSpec, number: int
         view = memoryview(buf)
         for i in range(allocated):
             file_offset = spec.row_offset(i) + spec.payload_region
-            if row_io.preadv(handle, [view], file_offset) != TRAILER_NBYTES or is_blank(view):
+            try:
+                n = row_io.preadv(handle, [view], file_offset)
+            except OSError:  # this row alone is unreadable: invalid, free space
+                result.invalid_rows += 1
+                continue
+            if n != TRAILER_NBYTES or is_blank(view):
                 continue
             try:
                 trailer = decode_trailer(view)

@@ -317,6 +317,10 @@ class RowIndex:
         self._pending.setdefault(key, set()).add(self._seq)
         return self._seq
 
+    def abandon_write(self, key: OffloadKey, seq: int) -> None:
+        """Forget a write registered by :meth:`begin_write` that never got a row."""
+        self._end_write(key, seq)
+
     def _end_write(self, key: OffloadKey, seq: int) -> bool:
         seqs = self._pending.get(key)
         if seqs is None or seq not in seqs:

@@ -32,7 +32,7 @@ from kvtier.io._format import (
     format_digest,
     format_fields,
 )
-from kvtier.io._index import RowIndex
+from kvtier.io._index import RowIndex, RowRef
 from kvtier.io._inspect import other_formats
 from kvtier.io._rowio import (
     IO_BACKENDS,
@@ -206,6 +206,9 @@ class NVMeTier:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._write_tasks: set[asyncio.Task[Any]] = set()
         self._dirty: set[tuple[int, int]] = set()
+        # Per segment, the keys published in it since its last successful
+        # fdatasync, by row (a reused row replaces its entry: bounded by the rows).
+        self._unsynced: dict[tuple[int, int], dict[int, OffloadKey]] = {}
         self._write_epoch = self._synced_epoch = 0
         self._sync_task: asyncio.Task[None] | None = None
         self._close_task: asyncio.Task[None] | None = None
@@ -533,6 +536,8 @@ class NVMeTier:
                 raise DuplicateKeyError(f"{key} appears twice in one write_rows call")
             seen.add(key)
             jobs.append(WriteJob(key, start, stop, view, pos))
+        for job in jobs:  # registered now: a discard() from here on keeps the key unpublished
+            job.seq = self._index.begin_write(job.key)
         task = self._spawn(_batches.write_batch(self, jobs))
         self._write_tasks.add(task)
         task.add_done_callback(self._write_tasks.discard)
@@ -588,7 +593,10 @@ class NVMeTier:
         the last sync, in parallel; concurrent callers share one sync.
 
         Raises:
-            StorageError: an ``fdatasync`` failed (the segments stay dirty).
+            StorageError: an ``fdatasync`` failed. The keys published in that
+                segment since its last good sync are dropped (MISS), each
+                counted as a failure of the error's kind; the segments stay
+                dirty, so the next flush syncs them again.
             EngineClosedError: the tier is not open.
 
         """
@@ -604,8 +612,9 @@ class NVMeTier:
 
     async def _sync_once(self) -> None:
         try:
-            epoch, dirty = self._write_epoch, self._dirty
+            epoch, dirty = self._write_epoch, list(self._dirty)
             self._dirty = set()
+            unsynced = [self._unsynced.pop(s, {}) for s in dirty]
             row_io = self._row_io
             assert row_io is not None
             outcomes = await asyncio.gather(
@@ -614,11 +623,32 @@ class NVMeTier:
             )
             errors = [e for e in outcomes if isinstance(e, BaseException)]
             if errors:
-                self._dirty |= dirty
-                raise _batches.as_storage_error(errors[0], "fdatasync of a segment failed")
+                err = _batches.as_storage_error(errors[0], "fdatasync of a segment failed")
+                for segment, rows, outcome in zip(dirty, unsynced, outcomes, strict=True):
+                    if isinstance(outcome, BaseException):
+                        self._drop_unsynced(segment, rows, err.kind)
+                self._dirty.update(dirty)
+                raise err
             self._synced_epoch = max(self._synced_epoch, epoch)
         finally:
             self._sync_task = None
+
+    def _drop_unsynced(
+        self, segment: tuple[int, int], rows: dict[int, OffloadKey], kind: str
+    ) -> None:
+        """Drop the keys published in ``segment`` since its last good sync (its sync failed).
+
+        A retried ``fdatasync`` that succeeds does not prove them durable:
+        after a failed writeback Linux may mark the pages clean and report the
+        error only once, and a device cache flush that failed may have lost
+        them. Each such key that is still at that row is dropped (MISS on
+        NVMe; a resident CPU copy stays, and ``store(durable=True)`` writes it
+        again) and counted as a failure of ``kind``.
+        """
+        group_id, number = segment
+        for row, key in rows.items():
+            if self._index.drop(key, RowRef(group_id, number, row)):
+                _batches.fail(self, kind)
 
     async def drain(self) -> None:
         """Wait until no read, write or sync of this tier is in flight.

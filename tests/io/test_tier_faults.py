@@ -241,8 +241,14 @@ async def test_flush_failure_keeps_segments_dirty(open_tier, slots) -> None:
     with pytest.raises(StorageError) as info:
         await tier.flush()
     assert info.value.kind == "eio"
+    # the keys written since the segment's last good sync are not known durable
+    assert not any(tier.contains(key(i)) for i in range(N))
+    assert tier.stats()["failures_eio"] == N
     await tier.flush()  # the retry syncs the same segment again and succeeds
     assert holder[0].faults[0].hits == 1
+    await _fill(tier, slots)  # written again, into rows of their own
+    await tier.flush()
+    assert all(tier.contains(key(i)) for i in range(N))
 
 
 class SlowRowIO(FaultyRowIO):

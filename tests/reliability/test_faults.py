@@ -240,7 +240,15 @@ async def test_segment_growth_enospc_fails_its_rows_then_recovers(tmp_path) -> N
     await _reopen_all_load(gpu, cfg, [*good, *fresh], gone=[c for c in cs if c.key in failed])
 
 
-async def test_fdatasync_eio_is_raised_by_flush_and_the_next_flush_succeeds(tmp_path) -> None:
+async def test_fdatasync_eio_drops_the_unsynced_keys_from_nvme_and_a_durable_store_rewrites_them(
+    tmp_path,
+) -> None:
+    """A failed fdatasync fails the keys written since the last good sync, and only them.
+
+    A retried fdatasync that succeeds proves nothing about them (Linux may
+    mark pages clean after a failed writeback and report the error once), so
+    they leave NVMe; their CPU copies stay and a durable store writes them again.
+    """
     gpu = Gpu()
     wrap = Wrapper()
     cfg = engine_config(gpu, 8, nvme_config(tmp_path, wrapper=wrap))
@@ -254,10 +262,43 @@ async def test_fdatasync_eio_is_raised_by_flush_and_the_next_flush_succeeds(tmp_
             await engine.flush()
         assert info.value.kind == "eio"
         assert isinstance(info.value, kvtier.KVTierError)
-        await engine.flush()
+        assert engine._writer is not None
+        tier = engine._writer._tier
+        # the keys of the segment whose sync failed (the fault fails one fdatasync)
+        dropped = [c for c in second if not tier.contains(c.key)]
+        assert dropped
+        assert _failures(engine) == _only("eio", len(dropped))  # one per dropped key
+        assert all(tier.contains(c.key) for c in first)  # synced before
+        assert engine.lookup([c.key for c in dropped]) == [kvtier.Residency.CPU] * len(dropped)
+        await engine.flush()  # the retry succeeds: nothing left that depends on it
         assert wrap.faults[0].hits == 1
-        assert not (await load_check(engine, gpu, [*first, *second])).failed
+        assert not (await load_check(engine, gpu, [*first, *second])).failed  # from CPU
+        res = await engine.store(second, durable=True)  # written again, synced
+        assert set(res.skipped) == {c.key for c in second}
     await _reopen_all_load(gpu, cfg, [*first, *second])
+
+
+async def test_after_fdatasync_eio_without_a_rewrite_a_restart_finds_no_unsynced_key(
+    tmp_path,
+) -> None:
+    gpu = Gpu()
+    wrap = Wrapper()
+    cfg = engine_config(gpu, 8, nvme_config(tmp_path, wrapper=wrap))
+    first, second = chunks(["g0", "g1"]), chunks(["g2", "g3"], first_block=16)
+    async with kvtier.TransferEngine(gpu.layout, cfg) as engine:
+        await store_ok(engine, gpu, first)
+        await engine.flush()
+        wrap.faults.append(KeyFault("fdatasync", "errno", times=1))
+        await store_ok(engine, gpu, second)
+        with pytest.raises(errors.StorageError):
+            await engine.flush()
+        assert engine._writer is not None
+        dropped = [c for c in second if not engine._writer._tier.contains(c.key)]
+        assert dropped
+        await engine.flush()
+    # their rows were blanked at close: MISS, never a row a failed sync left behind
+    kept = [c for c in second if c not in dropped]
+    await _reopen_all_load(gpu, cfg, [*first, *kept], gone=dropped)
 
 
 # ------------------------------------------------------------------ torn and corrupted rows
