@@ -314,7 +314,8 @@ def inspect(root: str, as_json: bool) -> None:
             f"blocks_per_chunk={fmt.get('blocks_per_chunk', '?')}; {holder}; "
             f"{disk:.1f} MiB on disk"
         )
-        click.echo(f"    {_format_summary(fmt, ns.get('last_written'))}")
+        valid = sum(grp.get("valid_rows", 0) for grp in ns["groups"].values())
+        click.echo(f"    {_format_summary(fmt, ns.get('last_written'), valid)}")
         for err in ns.get("errors", []):
             click.echo(f"    error: {err}")
         for g, grp in sorted(ns["groups"].items(), key=lambda kv: int(kv[0])):
@@ -328,10 +329,12 @@ def inspect(root: str, as_json: bool) -> None:
                     click.echo(f"      {seg.get('file', '?')}: {seg['error']}")
 
 
-def _format_summary(fmt: dict[str, Any], last_written: float | None) -> str:
+def _format_summary(fmt: dict[str, Any], last_written: float | None, valid_rows: int) -> str:
     """One line that tells formats of one namespace apart: per group, its layers and row size.
 
-    Any ``format.json`` prints (fields of the wrong type show as ``?``).
+    Any ``format.json`` prints (fields of the wrong type show as ``?``). With
+    no valid row, the segment files' time is only when they last changed
+    (created or grown by an engine that wrote nothing, or rows invalidated).
     """
     rows, layout = fmt.get("row_nbytes"), fmt.get("layout")
     rows = rows if isinstance(rows, dict) else {}
@@ -347,7 +350,12 @@ def _format_summary(fmt: dict[str, Any], last_written: float | None) -> str:
         parts.append(
             f"g{g}: {len(layers)} x {' / '.join(kinds)}, rows of {rows.get(str(g), '?')} B"
         )
-    return f"format: {'; '.join(parts) or 'unknown'}; rows last written {_utc(last_written)}"
+    when = (
+        f"rows last written {_utc(last_written)}"
+        if valid_rows or last_written is None
+        else f"no valid rows (segment files last changed {_utc(last_written)})"
+    )
+    return f"format: {'; '.join(parts) or 'unknown'}; {when}"
 
 
 def _utc(seconds: float | None) -> str:

@@ -247,6 +247,24 @@ def test_inspect_lists_namespaces_and_rows(tmp_path: Path) -> None:
     assert f"can grow to {g0['rows']} rows" in res.stdout
 
 
+async def test_inspect_of_a_folder_whose_engine_wrote_nothing_says_no_valid_rows(
+    tmp_path: Path,
+) -> None:
+    import torch
+
+    import kvtier as kv  # ``kvtier`` is this module's CLI runner
+
+    layout = kv.KVLayout.from_tensors({0: {"a": torch.ones(8, 4096, dtype=torch.uint8)}})
+    nv = kv.NVMeConfig(root=tmp_path, capacity_bytes=1 << 24, namespace="idle")
+    async with kv.TransferEngine(layout, kv.EngineConfig(1 << 20, 2, nvme=nv)):
+        pass  # its start created the first segment file: the folder looks recently written
+    res = kvtier("inspect", str(tmp_path), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "namespace=idle" in res.stdout
+    assert "; no valid rows (segment files last changed 20" in res.stdout
+    assert "rows last written" not in res.stdout
+
+
 def test_remove_asks_refuses_a_held_namespace_and_frees_it_once_released(
     tmp_path: Path,
 ) -> None:
