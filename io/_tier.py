@@ -626,7 +626,8 @@ class NVMeTier:
                 err = _batches.as_storage_error(errors[0], "fdatasync of a segment failed")
                 for segment, rows, outcome in zip(dirty, unsynced, outcomes, strict=True):
                     if isinstance(outcome, BaseException):
-                        self._drop_unsynced(segment, rows, err.kind)
+                        kind = _batches.as_storage_error(outcome, "fdatasync").kind
+                        self._drop_unsynced(segment, rows, kind)
                 self._dirty.update(dirty)
                 raise err
             self._synced_epoch = max(self._synced_epoch, epoch)
