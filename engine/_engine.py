@@ -1151,7 +1151,7 @@ class TransferEngine:
                 segment file since its last good sync leave NVMe (a retried
                 sync would not prove them durable) and stay in their CPU slots;
                 ``store(keys, durable=True)`` writes them again. The next
-                flush syncs again.
+                flush syncs again and raises ``NotDurableError`` naming them.
             EngineClosedError: the engine is not open.
 
         Cancellation: the writes continue; other flushes and durable stores

@@ -228,6 +228,7 @@ class NVMeWriter:
             await self._tier.flush()
         finally:
             del self._flush_marks[token]
+            self._take_sync_drops()
         failed = {k: exc for k, (seq, exc) in self._failed.items() if seq <= mark}
         if failed:
             covered = max(self._flush_marks.values(), default=0)  # flushes still running
@@ -265,13 +266,29 @@ class NVMeWriter:
         waits = {self._batch_of[k] for k in keys if k in self._batch_of}
         if waits:
             await asyncio.wait(waits)  # never cancels the batch futures others share
-        await self._tier.flush()
+        try:
+            await self._tier.flush()
+        finally:
+            self._take_sync_drops()
         wanted = set(keys)
         failed = dict(missing)
         for fut in waits:
             failed.update((k, exc) for k, exc in fut.result().items() if k in wanted)
+        # a key whose row another caller's failed fdatasync dropped meanwhile
+        failed.update(
+            (k, self._failed[k][1]) for k in wanted if k in self._failed and k not in failed
+        )
         if failed:
             raise NotDurableError(failed, result)
+
+    def _take_sync_drops(self) -> None:
+        """Keys a failed ``fdatasync`` dropped from NVMe become failed rows to report.
+
+        Their sequence is 1: every flush from now on covers them (they were
+        stored before it), until one reports them.
+        """
+        for key, err in self._tier.take_sync_drops():
+            self._failed[key] = (1, err)
 
     def detach(self) -> None:
         """Drop the back-reference to the engine once it is closed.

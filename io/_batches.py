@@ -413,11 +413,15 @@ async def scan(tier: NVMeTier) -> None:
     """Open every segment of the tier's groups and rebuild the index from the trailers.
 
     Unusable segments (bad header) are skipped, logged and counted; their
-    numbers are never reused.
+    numbers are never reused. Rows whose trailer could not be read are free.
+    When anything could not be read the sequence numbers jump
+    (:meth:`RowIndex.rebuild`'s ``blind``), so that a row a later open reads
+    again never outranks a write of this session.
     """
     assert tier._row_io is not None
     found: dict[tuple[int, int], tuple[int, int]] = {}
     rows: list[tuple[RowRef, OffloadKey, int, int, int]] = []
+    blind = False  # some trailer (or a whole segment) could not be read
     for g, spec in tier._specs.items():
         group_dir = tier.directory / f"g{g}"
         numbers = await tier._run(_files.list_segments, group_dir)
@@ -436,8 +440,10 @@ async def scan(tier: NVMeTier) -> None:
                 log.warning("ignoring unusable segment %s/%d: %s", group_dir, n, scan.error)
                 tier._counts["invalid_segments_at_open"] += 1
                 tier._index.skip_segment(g, n)
+                blind = True
                 continue
             found[(g, n)] = (scan.num_rows, scan.allocated_rows)
             rows.extend(scan.rows)
+            blind = blind or scan.unreadable_rows > 0
             tier._counts["invalid_rows_at_open"] += scan.invalid_rows
-    tier._index.rebuild(found, rows)
+    tier._index.rebuild(found, rows, blind=blind)

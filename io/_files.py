@@ -94,6 +94,8 @@ class ScanResult:
     allocated_rows: int = 0
     rows: list[tuple[RowRef, OffloadKey, int, int, int]] = field(default_factory=list)
     invalid_rows: int = 0
+    unreadable_rows: int = 0
+    """Rows whose trailer could not be read (an I/O error, a short read): also invalid."""
     error: str = ""
 
 
@@ -233,9 +235,12 @@ def scan_segment(row_io: RowIO, path: pathlib.Path, spec: GroupSpec, number: int
     Segment files grow lazily: a file may end before the ``num_rows`` rows
     its header announces; the rows it holds in full are allocated, the rest
     are not (a row cut in the middle counts invalid). Blank (all-zero)
-    trailers are free rows; undecodable, foreign or unreadable (an I/O
-    error reading that trailer) trailers are counted invalid and are free
-    space: only their rows are lost. Nothing is written. An entry that is not a
+    trailers are free rows; undecodable or foreign trailers are counted
+    invalid (and are free space). A trailer that cannot be read (an I/O
+    error, a short read) loses only its row: counted invalid and in
+    ``unreadable_rows``, and free space too (its old trailer may still name
+    a key, found again by a later open: see :meth:`RowIndex.rebuild`'s
+    ``blind``). Nothing is written. An entry that is not a
     regular file (a directory, a FIFO) or cannot be opened (a dangling link)
     is unusable, like a bad header: never an exception.
     """
@@ -264,10 +269,13 @@ def scan_segment(row_io: RowIO, path: pathlib.Path, spec: GroupSpec, number: int
             file_offset = spec.row_offset(i) + spec.payload_region
             try:
                 n = row_io.preadv(handle, [view], file_offset)
-            except OSError:  # this row alone is unreadable: invalid, free space
+            except OSError:
+                n = -1
+            if n != TRAILER_NBYTES:  # this row alone is lost
                 result.invalid_rows += 1
+                result.unreadable_rows += 1
                 continue
-            if n != TRAILER_NBYTES or is_blank(view):
+            if is_blank(view):
                 continue
             try:
                 trailer = decode_trailer(view)

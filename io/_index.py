@@ -14,8 +14,10 @@ rows in use only by free holes.
 
 Every row allocated on disk is in exactly one state:
 
-* free: in its group's free heap; its trailer is known blank (never written,
-  blanked, or unusable at open), so a restart cannot find a key in it;
+* free: in its group's free heap; its trailer is blank (never written,
+  blanked, or undecodable at open), so a restart cannot find a key in it, or
+  it could not be read at open: a later open may find its old key again, with
+  its own bytes and a sequence number below every write since (``SEQ_JUMP``);
 * reserved: handed to a write in flight (by :meth:`RowIndex.take_free` or,
   as an evicted row of the writer's group, by :meth:`RowIndex.reserve`);
 * visible: holds a key's fully written row (in the LRU);
@@ -36,6 +38,16 @@ from dataclasses import dataclass
 from kvtier._types import OffloadKey
 
 __all__ = ["Growth", "RowEntry", "RowIndex", "RowRef"]
+
+
+SEQ_JUMP = 1 << 32
+"""How far sequence numbers jump at an open that could not read everything.
+
+A row that could not be read holds a sequence number from an earlier session;
+this session's numbers start above it unless more than 2**32 writes were made
+after the highest row that was read. The 64-bit field of the trailer holds
+2**32 such jumps.
+"""
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -136,6 +148,8 @@ class RowIndex:
         self,
         segments: Mapping[tuple[int, int], tuple[int, int]],
         rows: Iterable[tuple[RowRef, OffloadKey, int, int, int]],
+        *,
+        blind: bool = False,
     ) -> None:
         """Set the state found on disk at open (call once, on an empty index).
 
@@ -147,6 +161,11 @@ class RowIndex:
                 rows are stale; rows not listed are free. LRU order follows
                 ``seq``; while the winners exceed ``capacity_bytes`` the least
                 recently used are evicted (stale).
+            blind: something could not be read (a row's trailer, a whole
+                segment): the next sequence numbers start ``SEQ_JUMP`` above
+                the highest one read, so a row that a later open reads again
+                (a key of an earlier session, with its own bytes) never
+                outranks a write of this session.
 
         """
         best: dict[OffloadKey, RowEntry] = {}
@@ -170,6 +189,8 @@ class RowIndex:
             )
             heapq.heapify(self._free[g])
         self._stale.extend(losers)
+        if blind:
+            self._seq += SEQ_JUMP
         for key, entry in sorted(best.items(), key=lambda kv: kv[1].seq):
             self._lru[key] = entry
             self.bytes_used += self._row_nbytes[key.group_id]

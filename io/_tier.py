@@ -209,6 +209,7 @@ class NVMeTier:
         # Per segment, the keys published in it since its last successful
         # fdatasync, by row (a reused row replaces its entry: bounded by the rows).
         self._unsynced: dict[tuple[int, int], dict[int, OffloadKey]] = {}
+        self._sync_drops: list[tuple[OffloadKey, StorageError]] = []  # take_sync_drops()
         self._write_epoch = self._synced_epoch = 0
         self._sync_task: asyncio.Task[None] | None = None
         self._close_task: asyncio.Task[None] | None = None
@@ -626,8 +627,12 @@ class NVMeTier:
                 err = _batches.as_storage_error(errors[0], "fdatasync of a segment failed")
                 for segment, rows, outcome in zip(dirty, unsynced, outcomes, strict=True):
                     if isinstance(outcome, BaseException):
-                        kind = _batches.as_storage_error(outcome, "fdatasync").kind
-                        self._drop_unsynced(segment, rows, kind)
+                        # rows published while the failed sync ran are not known durable either
+                        rows.update(self._unsynced.pop(segment, {}))
+                        failure = _batches.as_storage_error(
+                            outcome, f"fdatasync of segment g{segment[0]}/{segment[1]} failed"
+                        )
+                        self._drop_unsynced(segment, rows, failure)
                 self._dirty.update(dirty)
                 raise err
             self._synced_epoch = max(self._synced_epoch, epoch)
@@ -635,7 +640,7 @@ class NVMeTier:
             self._sync_task = None
 
     def _drop_unsynced(
-        self, segment: tuple[int, int], rows: dict[int, OffloadKey], kind: str
+        self, segment: tuple[int, int], rows: dict[int, OffloadKey], failure: StorageError
     ) -> None:
         """Drop the keys published in ``segment`` since its last good sync (its sync failed).
 
@@ -644,12 +649,24 @@ class NVMeTier:
         error only once, and a device cache flush that failed may have lost
         them. Each such key that is still at that row is dropped (MISS on
         NVMe; a resident CPU copy stays, and ``store(durable=True)`` writes it
-        again) and counted as a failure of ``kind``.
+        again), counted as a failure of ``failure.kind`` and kept for
+        :meth:`take_sync_drops`.
         """
         group_id, number = segment
         for row, key in rows.items():
             if self._index.drop(key, RowRef(group_id, number, row)):
-                _batches.fail(self, kind)
+                _batches.fail(self, failure.kind)
+                self._sync_drops.append((key, failure))
+
+    def take_sync_drops(self) -> list[tuple[OffloadKey, StorageError]]:
+        """The keys dropped by failed ``fdatasync`` calls since the last call, with the error.
+
+        Whoever reports durability (the engine's flush and durable stores)
+        takes them, so that a later flush can name them even if the sync that
+        dropped them was another caller's.
+        """
+        drops, self._sync_drops = self._sync_drops, []
+        return drops
 
     async def drain(self) -> None:
         """Wait until no read, write or sync of this tier is in flight.

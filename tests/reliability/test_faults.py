@@ -270,7 +270,10 @@ async def test_fdatasync_eio_drops_the_unsynced_keys_from_nvme_and_a_durable_sto
         assert _failures(engine) == _only("eio", len(dropped))  # one per dropped key
         assert all(tier.contains(c.key) for c in first)  # synced before
         assert engine.lookup([c.key for c in dropped]) == [kvtier.Residency.CPU] * len(dropped)
-        await engine.flush()  # the retry succeeds: nothing left that depends on it
+        with pytest.raises(errors.NotDurableError) as named:
+            await engine.flush()  # the retried sync succeeds, and names the dropped keys
+        assert set(named.value.failed) == {c.key for c in dropped}
+        await engine.flush()  # reported once
         assert wrap.faults[0].hits == 1
         assert not (await load_check(engine, gpu, [*first, *second])).failed  # from CPU
         res = await engine.store(second, durable=True)  # written again, synced
@@ -295,7 +298,8 @@ async def test_after_fdatasync_eio_without_a_rewrite_a_restart_finds_no_unsynced
         assert engine._writer is not None
         dropped = [c for c in second if not engine._writer._tier.contains(c.key)]
         assert dropped
-        await engine.flush()
+        with pytest.raises(errors.NotDurableError):
+            await engine.flush()
     # their rows were blanked at close: MISS, never a row a failed sync left behind
     kept = [c for c in second if c not in dropped]
     await _reopen_all_load(gpu, cfg, [*first, *kept], gone=dropped)
