@@ -123,6 +123,7 @@ class NVMeWriter:
         self.promotion_failures = 0
         self.batch_seconds: collections.deque[float] = collections.deque(maxlen=65536)
         """Seconds from a write batch's first enqueue to its last row written."""
+        tier.on_sync_drop = self._sync_dropped
 
     # ------------------------------------------------------------------ write-through
     def enqueue(self, items: list[tuple[OffloadKey, int, int]]) -> None:
@@ -228,7 +229,6 @@ class NVMeWriter:
             await self._tier.flush()
         finally:
             del self._flush_marks[token]
-            self._take_sync_drops()
         failed = {k: exc for k, (seq, exc) in self._failed.items() if seq <= mark}
         if failed:
             covered = max(self._flush_marks.values(), default=0)  # flushes still running
@@ -266,10 +266,7 @@ class NVMeWriter:
         waits = {self._batch_of[k] for k in keys if k in self._batch_of}
         if waits:
             await asyncio.wait(waits)  # never cancels the batch futures others share
-        try:
-            await self._tier.flush()
-        finally:
-            self._take_sync_drops()
+        await self._tier.flush()
         wanted = set(keys)
         failed = dict(missing)
         for fut in waits:
@@ -281,14 +278,13 @@ class NVMeWriter:
         if failed:
             raise NotDurableError(failed, result)
 
-    def _take_sync_drops(self) -> None:
-        """Keys a failed ``fdatasync`` dropped from NVMe become failed rows to report.
+    def _sync_dropped(self, key: OffloadKey, err: StorageError) -> None:
+        """A failed ``fdatasync`` dropped ``key`` from NVMe: a failed row to report.
 
-        Their sequence is 1: every flush from now on covers them (they were
-        stored before it), until one reports them.
+        Its sequence is 1: every flush from now on covers it (it was stored
+        before), until one reports it or a new write of the key succeeds.
         """
-        for key, err in self._tier.take_sync_drops():
-            self._failed[key] = (1, err)
+        self._failed[key] = (1, err)
 
     def detach(self) -> None:
         """Drop the back-reference to the engine once it is closed.
@@ -299,6 +295,7 @@ class NVMeWriter:
         process (about 80 ms with torch imported). Counters stay readable.
         """
         self._engine = None  # type: ignore[assignment]
+        self._tier.on_sync_drop = None  # the tier and the writer refer to each other too
 
     @property
     def busy(self) -> bool:

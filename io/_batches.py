@@ -105,6 +105,9 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
     (shielded from the caller); never raises for I/O errors.
     """
     results: list[BaseException | None] = [None] * len(jobs)
+    # A row written while an fdatasync of its segment fails may have been
+    # covered (and lost) by it: such rows are failed, never published.
+    sync_failures = dict(tier._sync_failures)
     await reclaim(tier)
     groups = reserve_rows(tier, jobs, results)
     t0 = time.perf_counter()
@@ -119,10 +122,16 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
         if n > 0:
             tier._dirty.add((run[0].ref.group_id, run[0].ref.segment))
             tier._write_epoch += 1
+        segment = (run[0].ref.group_id, run[0].ref.segment)
+        if exc is None and segment in tier._sync_failures:
+            count, failure = tier._sync_failures[segment]
+            if count != sync_failures.get(segment, (0, None))[0]:
+                exc = StorageError(
+                    failure.kind, f"an fdatasync of its segment failed during the write: {failure}"
+                )
         for k, job in enumerate(run):
             if exc is None and n >= (k + 1) * row:
                 if tier._index.finish_write(job.key, job.ref, job.seq, job.start, job.stop):
-                    segment = (job.ref.group_id, job.ref.segment)
                     tier._unsynced.setdefault(segment, {})[job.ref.row] = job.key
                 tier._counts["write_bytes"] += row
                 continue
@@ -414,7 +423,7 @@ async def scan(tier: NVMeTier) -> None:
 
     Unusable segments (bad header) are skipped, logged and counted; their
     numbers are never reused. Rows whose trailer could not be read are free.
-    When anything could not be read the sequence numbers jump
+    When anything could not be read or was invalid the sequence numbers jump
     (:meth:`RowIndex.rebuild`'s ``blind``), so that a row a later open reads
     again never outranks a write of this session.
     """
@@ -444,6 +453,7 @@ async def scan(tier: NVMeTier) -> None:
                 continue
             found[(g, n)] = (scan.num_rows, scan.allocated_rows)
             rows.extend(scan.rows)
-            blind = blind or scan.unreadable_rows > 0
+            # any invalid row may be a misread one whose trailer is intact on disk
+            blind = blind or scan.invalid_rows > 0
             tier._counts["invalid_rows_at_open"] += scan.invalid_rows
     tier._index.rebuild(found, rows, blind=blind)

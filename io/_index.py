@@ -41,7 +41,7 @@ __all__ = ["Growth", "RowEntry", "RowIndex", "RowRef"]
 
 
 SEQ_JUMP = 1 << 32
-"""How far sequence numbers jump at an open that could not read everything.
+"""How far sequence numbers jump at an open that could not read (or found invalid) anything.
 
 A row that could not be read holds a sequence number from an earlier session;
 this session's numbers start above it unless more than 2**32 writes were made
@@ -161,8 +161,8 @@ class RowIndex:
                 rows are stale; rows not listed are free. LRU order follows
                 ``seq``; while the winners exceed ``capacity_bytes`` the least
                 recently used are evicted (stale).
-            blind: something could not be read (a row's trailer, a whole
-                segment): the next sequence numbers start ``SEQ_JUMP`` above
+            blind: something could not be read or was invalid (a row's
+                trailer, a whole segment): the next sequence numbers start ``SEQ_JUMP`` above
                 the highest one read, so a row that a later open reads again
                 (a key of an earlier session, with its own bytes) never
                 outranks a write of this session.

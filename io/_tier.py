@@ -209,7 +209,11 @@ class NVMeTier:
         # Per segment, the keys published in it since its last successful
         # fdatasync, by row (a reused row replaces its entry: bounded by the rows).
         self._unsynced: dict[tuple[int, int], dict[int, OffloadKey]] = {}
-        self._sync_drops: list[tuple[OffloadKey, StorageError]] = []  # take_sync_drops()
+        # Per segment, how many of its fdatasync calls failed: a row written while
+        # one failed is not published (write_batch compares before and after).
+        self._sync_failures: dict[tuple[int, int], tuple[int, StorageError]] = {}
+        self.on_sync_drop: Callable[[OffloadKey, StorageError], None] | None = None
+        """Called for each key a failed ``fdatasync`` drops (the engine reports it)."""
         self._write_epoch = self._synced_epoch = 0
         self._sync_task: asyncio.Task[None] | None = None
         self._close_task: asyncio.Task[None] | None = None
@@ -632,6 +636,8 @@ class NVMeTier:
                         failure = _batches.as_storage_error(
                             outcome, f"fdatasync of segment g{segment[0]}/{segment[1]} failed"
                         )
+                        count = self._sync_failures.get(segment, (0, failure))[0]
+                        self._sync_failures[segment] = (count + 1, failure)
                         self._drop_unsynced(segment, rows, failure)
                 self._dirty.update(dirty)
                 raise err
@@ -649,24 +655,17 @@ class NVMeTier:
         error only once, and a device cache flush that failed may have lost
         them. Each such key that is still at that row is dropped (MISS on
         NVMe; a resident CPU copy stays, and ``store(durable=True)`` writes it
-        again), counted as a failure of ``failure.kind`` and kept for
-        :meth:`take_sync_drops`.
+        again), counted as a failure of ``failure.kind`` and passed to
+        :attr:`on_sync_drop` at once, so that the engine's next flush names
+        it even if the sync that dropped it was another (maybe cancelled)
+        caller's, and a later rewrite of the key clears it.
         """
         group_id, number = segment
         for row, key in rows.items():
             if self._index.drop(key, RowRef(group_id, number, row)):
                 _batches.fail(self, failure.kind)
-                self._sync_drops.append((key, failure))
-
-    def take_sync_drops(self) -> list[tuple[OffloadKey, StorageError]]:
-        """The keys dropped by failed ``fdatasync`` calls since the last call, with the error.
-
-        Whoever reports durability (the engine's flush and durable stores)
-        takes them, so that a later flush can name them even if the sync that
-        dropped them was another caller's.
-        """
-        drops, self._sync_drops = self._sync_drops, []
-        return drops
+                if self.on_sync_drop is not None:
+                    self.on_sync_drop(key, failure)
 
     async def drain(self) -> None:
         """Wait until no read, write or sync of this tier is in flight.
