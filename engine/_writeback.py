@@ -189,7 +189,8 @@ class NVMeWriter:
             for (key, _, _, seq), res in zip(batch.rows, results, strict=True):
                 if res is None:
                     self.rows_written += 1
-                    self._failed.pop(key, None)
+                    if self._tier.contains(key):  # not dropped by a failed sync meanwhile
+                        self._failed.pop(key, None)
                 else:
                     self.write_failures += 1
                     failed[key] = res

@@ -105,9 +105,6 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
     (shielded from the caller); never raises for I/O errors.
     """
     results: list[BaseException | None] = [None] * len(jobs)
-    # A row written while an fdatasync of its segment fails may have been
-    # covered (and lost) by it: such rows are failed, never published.
-    sync_failures = dict(tier._sync_failures)
     await reclaim(tier)
     groups = reserve_rows(tier, jobs, results)
     t0 = time.perf_counter()
@@ -116,19 +113,23 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
         reclaim(tier),
     )
     tier._counts["write_seconds"] += time.perf_counter() - t0
-    for run, n, exc in (outcome for group in written for outcome in group):
+    for run, n, exc, failed_syncs in (outcome for group in written for outcome in group):
         tier._counts["write_requests"] += 1
         row = tier._row_nbytes[run[0].ref.group_id]
-        if n > 0:
-            tier._dirty.add((run[0].ref.group_id, run[0].ref.segment))
-            tier._write_epoch += 1
         segment = (run[0].ref.group_id, run[0].ref.segment)
-        if exc is None and segment in tier._sync_failures:
-            count, failure = tier._sync_failures[segment]
-            if count != sync_failures.get(segment, (0, None))[0]:
-                exc = StorageError(
-                    failure.kind, f"an fdatasync of its segment failed during the write: {failure}"
-                )
+        if n > 0:
+            tier._dirty.add(segment)
+            tier._write_epoch += 1
+        # A row written while an fdatasync of its segment failed may have been
+        # covered (and lost) by it: it is failed, never published.
+        count, failure = tier._sync_failures.get(segment, (0, None))
+        if exc is None and failure is not None and count != failed_syncs:
+            exc = StorageError(
+                failure.kind,
+                f"an fdatasync of its segment failed during the write: {failure}",
+                failure.errno,
+            )
+            exc.__cause__ = failure
         for k, job in enumerate(run):
             if exc is None and n >= (k + 1) * row:
                 if tier._index.finish_write(job.key, job.ref, job.seq, job.start, job.stop):
@@ -193,13 +194,14 @@ def reserve_rows(
 
 async def _write_group(
     tier: NVMeTier, jobs: list[WriteJob], results: list[BaseException | None]
-) -> list[tuple[list[WriteJob], int, BaseException | None]]:
+) -> list[tuple[list[WriteJob], int, BaseException | None, int]]:
     """Give rows to the reserved jobs of one group that lack one, then write its runs.
 
     A job whose growth failed gets the error in ``results``.
 
     Returns:
-        ``(run, bytes written, exception or None)`` per run written.
+        ``(run, bytes written, exception or None, failed syncs of its segment
+        when the write was submitted)`` per run written.
 
     """
     placed: list[WriteJob] = []
@@ -217,25 +219,32 @@ async def _write_group(
         grow_ahead(tier, jobs[0].key.group_id)
     runs = make_runs(tier, placed, lambda j: j.ref)
     outcomes = await asyncio.gather(*(_write_run(tier, run) for run in runs))
-    return [(run, n, exc) for run, (n, exc) in zip(runs, outcomes, strict=True)]
+    return [(run, *outcome) for run, outcome in zip(runs, outcomes, strict=True)]
 
 
-async def _write_run(tier: NVMeTier, run: list[WriteJob]) -> tuple[int, BaseException | None]:
-    """Seal a run on the checksum workers, then write it (I/O workers, or the AIO context)."""
+async def _write_run(tier: NVMeTier, run: list[WriteJob]) -> tuple[int, BaseException | None, int]:
+    """Seal a run on the checksum workers, then write it (I/O workers, or the AIO context).
+
+    Returns:
+        ``(bytes written, exception or None, failed syncs of the segment
+        when the write was submitted)``.
+    """
     ref = run[0].ref
+    segment = (ref.group_id, ref.segment)
     spec = tier._specs[ref.group_id]
     exc = await tier._run_checksum(_files.seal_run, spec, run)
+    failed_syncs = tier._sync_failures.get(segment, (0, None))[0]
     if exc is not None:
-        return 0, exc
-    handle = tier._segments[(ref.group_id, ref.segment)]
+        return 0, exc, failed_syncs
+    handle = tier._segments[segment]
     if tier._aio is not None:  # queued in the kernel: no worker thread, no GIL to wait for
         try:
             fut = tier._aio.submit_pwritev(handle, [j.buf for j in run], spec.row_offset(ref.row))
-            return await _request_done(fut), None
+            return await _request_done(fut), None, failed_syncs
         except Exception as err:
-            return 0, err
+            return 0, err, failed_syncs
     n, exc, _ = await tier._run(_files.write_run, tier._row_io, handle, spec, run)
-    return n, exc
+    return n, exc, failed_syncs
 
 
 async def _request_done(fut: concurrent.futures.Future[int]) -> int:
