@@ -87,6 +87,12 @@ class BackgroundEngine:
         """Started and not closed (call it holding ``_lock``)."""
         return not self._closed and self._thread.is_alive()
 
+    def _check_running(self) -> None:
+        """Raise :class:`EngineClosedError` unless started and not closed."""
+        with self._lock:
+            if not self._running():
+                raise EngineClosedError(_CLOSED)
+
     def _on_engine_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
@@ -98,9 +104,7 @@ class BackgroundEngine:
         would block it forever.
         """
         if self._on_engine_thread():
-            with self._lock:
-                if not self._running():
-                    raise EngineClosedError(_CLOSED)
+            self._check_running()
             return fn(*args)
         return self._submit(self._call(fn, *args)).result()
 
@@ -198,9 +202,7 @@ class BackgroundEngine:
                 f"got {timeout!r}"
             )
         self._refuse_on_engine_thread("cancel")
-        with self._lock:
-            if not self._running():
-                raise EngineClosedError(_CLOSED)
+        self._check_running()
         cancelled = future.cancel()
         if not cancelled and future.done():
             return False  # it had finished: its call has ended

@@ -439,7 +439,7 @@ async def scan(tier: NVMeTier) -> None:
     assert tier._row_io is not None
     found: dict[tuple[int, int], tuple[int, int]] = {}
     rows: list[tuple[RowRef, OffloadKey, int, int, int]] = []
-    blind = False  # some trailer (or a whole segment) could not be read
+    blind = False  # some trailer (or a whole segment) could not be read, or was invalid
     for g, spec in tier._specs.items():
         group_dir = tier.directory / f"g{g}"
         numbers = await tier._run(_files.list_segments, group_dir)

@@ -94,8 +94,6 @@ class ScanResult:
     allocated_rows: int = 0
     rows: list[tuple[RowRef, OffloadKey, int, int, int]] = field(default_factory=list)
     invalid_rows: int = 0
-    unreadable_rows: int = 0
-    """Rows whose trailer could not be read (an I/O error, a short read): also invalid."""
     error: str = ""
 
 
@@ -237,8 +235,8 @@ def scan_segment(row_io: RowIO, path: pathlib.Path, spec: GroupSpec, number: int
     are not (a row cut in the middle counts invalid). Blank (all-zero)
     trailers are free rows; undecodable or foreign trailers are counted
     invalid (and are free space). A trailer that cannot be read (an I/O
-    error, a short read) loses only its row: counted invalid and in
-    ``unreadable_rows``, and free space too (its old trailer may still name
+    error, a short read) loses only its row: counted invalid, and free
+    space too (its old trailer may still name
     a key, found again by a later open: see :meth:`RowIndex.rebuild`'s
     ``blind``). Nothing is written. An entry that is not a
     regular file (a directory, a FIFO) or cannot be opened (a dangling link)
@@ -273,7 +271,6 @@ def scan_segment(row_io: RowIO, path: pathlib.Path, spec: GroupSpec, number: int
                 n = -1
             if n != TRAILER_NBYTES:  # this row alone is lost
                 result.invalid_rows += 1
-                result.unreadable_rows += 1
                 continue
             if is_blank(view):
                 continue
