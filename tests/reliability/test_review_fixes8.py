@@ -17,10 +17,11 @@ files. A test headed "Fixed bug" was a strict xfail that failed before its fix.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import pathlib
 import threading
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
@@ -131,19 +132,37 @@ def _nvme(engine: kvtier.TransferEngine) -> NVMeTier:
     return engine._writer._tier
 
 
+Opened = tuple[Gpu, kvtier.TransferEngine, NVMeTier, Any, list[kvtier.Chunk]]
+
+
+@contextlib.asynccontextmanager
+async def gated_engine(
+    tmp_path: pathlib.Path,
+    holder: Any,
+    tags: Sequence[str],
+    io_type: type[RowIO] = SyncGateIO,
+    slots: int = 8,
+) -> AsyncIterator[Opened]:
+    """An open engine of ``slots`` slots whose NVMe RowIO is ``holder``'s gated ``io_type``.
+
+    Yields ``(gpu, engine, tier, io, chunks)``: ``chunks`` of group 0, one per tag.
+    """
+    gpu = Gpu()
+    cfg = engine_config(gpu, slots, nvme_config(tmp_path, wrapper=holder))
+    async with kvtier.TransferEngine(gpu.layout, cfg) as engine:
+        io = holder.io
+        assert isinstance(io, io_type)
+        yield gpu, engine, _nvme(engine), io, chunks(list(tags), group_id=0)
+
+
 # Fixed bug: store(durable=True) returns success while one of its keys was dropped from NVMe by
 # another caller's failed fdatasync (_writeback.py make_durable checks nothing after tier.flush)
 async def test_durable_store_whose_skipped_key_a_concurrent_failed_sync_dropped_succeeds(
     tmp_path: pathlib.Path,
 ) -> None:
-    gpu = Gpu()
     holder = SyncHolder()
-    cfg = engine_config(gpu, 8, nvme_config(tmp_path, wrapper=holder))
-    k0, k1, k2 = chunks(["d0", "d1", "d2"], group_id=0)
-    async with kvtier.TransferEngine(gpu.layout, cfg) as engine:
-        tier = _nvme(engine)
-        io = holder.io
-        assert isinstance(io, SyncGateIO)
+    opened = gated_engine(tmp_path, holder, ["d0", "d1", "d2"])
+    async with opened as (gpu, engine, tier, io, [k0, k1, k2]):
         await store_ok(engine, gpu, [k1])  # write-through: on NVMe, not yet synced
         await _until(lambda: tier.contains(k1.key), "k1 on NVMe")
         io.sync_gate = sync_gate = threading.Event()
@@ -176,14 +195,9 @@ async def test_durable_store_whose_skipped_key_a_concurrent_failed_sync_dropped_
 async def test_flush_after_another_callers_failed_sync_names_no_dropped_key(
     tmp_path: pathlib.Path,
 ) -> None:
-    gpu = Gpu()
     holder = SyncHolder()
-    cfg = engine_config(gpu, 8, nvme_config(tmp_path, wrapper=holder))
-    k0, k1 = chunks(["e0", "e1"], group_id=0)
-    async with kvtier.TransferEngine(gpu.layout, cfg) as engine:
-        tier = _nvme(engine)
-        io = holder.io
-        assert isinstance(io, SyncGateIO)
+    opened = gated_engine(tmp_path, holder, ["e0", "e1"])
+    async with opened as (gpu, engine, tier, io, [k0, k1]):
         await store_ok(engine, gpu, [k1])  # write-through, no durability asked
         await _until(lambda: tier.contains(k1.key), "k1 on NVMe")
         io.fdatasync_error = 1

@@ -35,7 +35,7 @@ from kvtier.io._index import SEQ_JUMP
 from ..io.conftest import GROUP_NBYTES, Slots, hashes, key, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
 from ._model import Gpu, at_rest, chunks, engine_config, load_check, nvme_config, store_ok
-from .test_review_fixes8 import SyncGateIO, SyncHolder, _rows_of
+from .test_review_fixes8 import SyncGateIO, SyncHolder, _nvme, _rows_of, gated_engine
 from .test_review_session8 import ROW0, _check, _rows, _until
 
 
@@ -74,11 +74,6 @@ async def _tier(root: pathlib.Path, **over: Any) -> NVMeTier:
     return tier
 
 
-def _nvme(engine: kvtier.TransferEngine) -> NVMeTier:
-    assert engine._writer is not None
-    return engine._writer._tier
-
-
 async def _cancelled_flush_whose_sync_fails(
     engine: kvtier.TransferEngine, io: SyncGateIO, dropped: Sequence[kvtier.OffloadKey]
 ) -> None:
@@ -109,14 +104,9 @@ async def _cancelled_flush_whose_sync_fails(
 async def test_durable_store_after_a_cancelled_flushs_failed_sync_rewrites_and_succeeds(
     tmp_path: pathlib.Path,
 ) -> None:
-    gpu = Gpu()
     holder = SyncHolder()
-    cfg = engine_config(gpu, 8, nvme_config(tmp_path, wrapper=holder))
-    (k1,) = chunks(["f1"], group_id=0)
-    async with kvtier.TransferEngine(gpu.layout, cfg) as engine:
-        tier = _nvme(engine)
-        io = holder.io
-        assert isinstance(io, SyncGateIO)
+    opened = gated_engine(tmp_path, holder, ["f1"])
+    async with opened as (gpu, engine, tier, io, [k1]):
         await store_ok(engine, gpu, [k1])
         await _until(lambda: tier.contains(k1.key), "k1 on NVMe")
         await _cancelled_flush_whose_sync_fails(engine, io, [k1.key])
@@ -130,14 +120,9 @@ async def test_durable_store_after_a_cancelled_flushs_failed_sync_rewrites_and_s
 async def test_flush_after_a_cancelled_flushs_failed_sync_does_not_name_a_rewritten_key(
     tmp_path: pathlib.Path,
 ) -> None:
-    gpu = Gpu()
     holder = SyncHolder()
-    cfg = engine_config(gpu, 2, nvme_config(tmp_path, wrapper=holder))
-    k1, k2, k3 = chunks(["g1", "g2", "g3"], group_id=0)
-    async with kvtier.TransferEngine(gpu.layout, cfg) as engine:
-        tier = _nvme(engine)
-        io = holder.io
-        assert isinstance(io, SyncGateIO)
+    opened = gated_engine(tmp_path, holder, ["g1", "g2", "g3"], slots=2)
+    async with opened as (gpu, engine, tier, io, [k1, k2, k3]):
         await store_ok(engine, gpu, [k1])
         await _until(lambda: tier.contains(k1.key), "k1 on NVMe")
         await _cancelled_flush_whose_sync_fails(engine, io, [k1.key])
@@ -214,14 +199,9 @@ async def _failed_durable_store(
 async def test_dropped_keys_are_named_by_the_running_flushes_then_by_no_later_one(
     tmp_path: pathlib.Path,
 ) -> None:
-    gpu = Gpu()
     holder = SyncHolder()
-    cfg = engine_config(gpu, 8, nvme_config(tmp_path, wrapper=holder))
-    k0, k1, k2 = chunks(["j0", "j1", "j2"], group_id=0)
-    async with kvtier.TransferEngine(gpu.layout, cfg) as engine:
-        tier = _nvme(engine)
-        io = holder.io
-        assert isinstance(io, SyncGateIO)
+    opened = gated_engine(tmp_path, holder, ["j0", "j1", "j2"])
+    async with opened as (gpu, engine, tier, io, [k0, k1, k2]):
         await store_ok(engine, gpu, [k1])
         await _until(lambda: tier.contains(k1.key), "k1 on NVMe")
         await _failed_durable_store(engine, gpu, io, k0)  # drops k0 and k1
@@ -252,14 +232,9 @@ async def test_dropped_keys_are_named_by_the_running_flushes_then_by_no_later_on
 async def test_durable_rewrite_of_a_dropped_key_is_not_named_by_the_next_flush(
     tmp_path: pathlib.Path,
 ) -> None:
-    gpu = Gpu()
     holder = SyncHolder()
-    cfg = engine_config(gpu, 8, nvme_config(tmp_path, wrapper=holder))
-    k0, k1 = chunks(["k0", "k1"], group_id=0)
-    async with kvtier.TransferEngine(gpu.layout, cfg) as engine:
-        tier = _nvme(engine)
-        io = holder.io
-        assert isinstance(io, SyncGateIO)
+    opened = gated_engine(tmp_path, holder, ["k0", "k1"])
+    async with opened as (gpu, engine, tier, io, [k0, k1]):
         await store_ok(engine, gpu, [k1])
         await _until(lambda: tier.contains(k1.key), "k1 on NVMe")
         await _failed_durable_store(engine, gpu, io, k0)
@@ -275,14 +250,9 @@ async def test_durable_rewrite_of_a_dropped_key_is_not_named_by_the_next_flush(
 async def test_aclose_after_a_cancelled_flushs_failed_sync_leaves_no_dropped_key_on_disk(
     tmp_path: pathlib.Path,
 ) -> None:
-    gpu = Gpu()
     holder = SyncHolder()
-    cfg = engine_config(gpu, 8, nvme_config(tmp_path, wrapper=holder))
-    k0, k1 = chunks(["m0", "m1"], group_id=0)
-    async with kvtier.TransferEngine(gpu.layout, cfg) as engine:
-        tier = _nvme(engine)
-        io = holder.io
-        assert isinstance(io, SyncGateIO)
+    opened = gated_engine(tmp_path, holder, ["m0", "m1"])
+    async with opened as (gpu, engine, tier, io, [k0, k1]):
         await store_ok(engine, gpu, [k0])
         await engine.flush()  # k0 durable
         await store_ok(engine, gpu, [k1])
@@ -342,14 +312,9 @@ async def test_row_written_during_the_failing_sync_and_published_after_it_is_dro
 async def test_flush_after_a_failed_sync_vouches_for_no_row_written_during_it(
     tmp_path: pathlib.Path,
 ) -> None:
-    gpu = Gpu()
     holder = LateHolder()
-    cfg = engine_config(gpu, 8, nvme_config(tmp_path, wrapper=holder))
-    k0, k1 = chunks(["i0", "i1"], group_id=0)
-    async with kvtier.TransferEngine(gpu.layout, cfg) as engine:
-        tier = _nvme(engine)
-        io = holder.io
-        assert isinstance(io, LateIO)
+    opened = gated_engine(tmp_path, holder, ["i0", "i1"], LateIO)
+    async with opened as (gpu, engine, tier, io, [k0, k1]):
         await store_ok(engine, gpu, [k0])
         await _until(lambda: tier.contains(k0.key), "k0 on NVMe")
         io.sync_gate = gate = threading.Event()

@@ -33,8 +33,8 @@ from kvtier.io._rowio import probe_direct_io
 
 from ..io.conftest import GROUP_NBYTES, Slots, hashes, key, payload, tier_kwargs
 from ._model import Gpu, chunks, engine_config, load_check, nvme_config, store_ok
-from .test_review_fixes8 import SyncGateIO, SyncHolder
-from .test_review_fixes8b import LateHolder, LateIO, _failed_durable_store, _nvme, _nvme_stat, _wait
+from .test_review_fixes8 import SyncGateIO, SyncHolder, _nvme, gated_engine
+from .test_review_fixes8b import LateHolder, LateIO, _failed_durable_store, _nvme_stat, _wait
 from .test_review_session8 import ROW0, _check, _rows, _until
 
 
@@ -418,14 +418,9 @@ async def test_aio_row_written_during_a_failing_sync_is_failed_and_never_vouched
 async def test_closed_engine_detaches_the_drop_hook_and_a_reopened_one_reports_nothing_stale(
     tmp_path: pathlib.Path,
 ) -> None:
-    gpu = Gpu()
     holder = SyncHolder()
-    cfg = engine_config(gpu, 8, nvme_config(tmp_path, wrapper=holder))
-    k0, k1 = chunks(["p0", "p1"], group_id=0)
-    async with kvtier.TransferEngine(gpu.layout, cfg) as engine:
-        tier = _nvme(engine)
-        io = holder.io
-        assert isinstance(io, SyncGateIO)
+    opened = gated_engine(tmp_path, holder, ["p0", "p1"])
+    async with opened as (gpu, engine, tier, io, [k0, k1]):
         await store_ok(engine, gpu, [k1])
         await engine.flush()  # k1 durable
         await _failed_durable_store(engine, gpu, io, k0)  # drops k0
