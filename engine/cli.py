@@ -274,14 +274,23 @@ def roundtrip(**kw: Any) -> None:
             "(bench layouts such as gemma-3-270m are shapes only, without weights)",
             param_hint="--model",
         )
-    report = run_roundtrip(
-        kw["model"],
-        prompt_tokens=kw["prompt_tokens"],
-        block_tokens=kw["block_tokens"],
-        blocks_per_chunk=kw["blocks_per_chunk"],
-        dtype=kw["dtype"],
-        root=kw["root"],
-    )
+    if kw["prompt_tokens"] <= kw["block_tokens"]:
+        raise click.BadParameter(
+            f"{kw['prompt_tokens']} is not above --block-tokens ({kw['block_tokens']}): the "
+            "round trip resumes at a block boundary before the prompt's end",
+            param_hint="--prompt-tokens",
+        )
+    try:
+        report = run_roundtrip(
+            kw["model"],
+            prompt_tokens=kw["prompt_tokens"],
+            block_tokens=kw["block_tokens"],
+            blocks_per_chunk=kw["blocks_per_chunk"],
+            dtype=kw["dtype"],
+            root=kw["root"],
+        )
+    except KVTierError as exc:  # e.g. a --root that is a file, or held by another engine
+        raise click.ClickException(str(exc)) from exc
     click.echo(report.format())
     if not report.ok:
         sys.exit(1)

@@ -71,7 +71,12 @@ def block_hashes(token_ids: Sequence[int], tokens_per_block: int) -> list[bytes]
 
     Returns:
         One 32-byte hash per full block.
+
+    Raises:
+        ValueError: ``tokens_per_block`` is not positive.
     """
+    if tokens_per_block <= 0:
+        raise ValueError(f"tokens_per_block must be > 0, got {tokens_per_block}")
     hashes: list[bytes] = []
     prev = hashlib.sha256(_HASH_SEED).digest()
     for start in range(0, len(token_ids) - tokens_per_block + 1, tokens_per_block):
@@ -132,6 +137,9 @@ class RoundtripReport:
         failed: load failures ``{key repr: error repr}``.
         missing: keys the reopened engine did not find (a MISS), not loaded.
         nvme_write_failures: rows the storing engine failed to write to NVMe.
+        already_stored: keys an earlier identical round trip on the same
+            ``root`` had left on NVMe (the store skipped them; the load still
+            checks them bitwise).
         skipped_group: a group deliberately not loaded (negative control), or None.
         tokens_equal: resumed token ids equal the reference's.
         logits_equal: every resumed logits tensor ``torch.equal`` to the reference's.
@@ -165,6 +173,7 @@ class RoundtripReport:
     reference_tokens: tuple[int, ...]
     resumed_tokens: tuple[int, ...]
     seconds: dict[str, float] = field(default_factory=dict)
+    already_stored: int = 0
 
     @property
     def ok(self) -> bool:
@@ -199,7 +208,8 @@ class RoundtripReport:
             f"{self.keys_fit_largest} keys (largest) vs {self.keys_fit_sum} keys (sum)",
             f"store: {st.store_bytes} B copied, slot waste {st.slot_waste_nbytes} B, "
             f"evictions {st.evictions}, rejected {st.rejected}, "
-            f"NVMe write failures {self.nvme_write_failures}",
+            f"NVMe write failures {self.nvme_write_failures}"
+            + (f", {self.already_stored} keys already on NVMe" if self.already_stored else ""),
             f"load: {self.load_stats.load_bytes} B, failures {len(self.failed)}, "
             f"missing {self.missing}"
             + (f", group {self.skipped_group} skipped" if self.skipped_group is not None else ""),
@@ -217,6 +227,8 @@ def _round_up(n: int, align: int = _PAGE) -> int:
 
 def flip_payload_bit(root: str | os.PathLike[str]) -> Path:
     """Flip one payload bit of the first row of the first segment file under ``root``.
+
+    ``root`` may be an NVMe root or one namespace folder in it.
 
     Segment files are ``<root>/<namespace>-<digest>/g<group_id>/<n>.kvrows`` with
     rows at ``4096 + i * row_nbytes`` (DESIGN.md section 5); this flips bit 0 of
@@ -301,12 +313,16 @@ async def aroundtrip(
     Args:
         model: a model name of :mod:`kvtier._models` (not ``tiny-all``).
         prompt_tokens: prompt length ``P`` (``> block_tokens``).
-        block_tokens: tokens per GPU block.
-        blocks_per_chunk: blocks per chunk (the unit of offload).
+        block_tokens: tokens per GPU block (``>= 1``).
+        blocks_per_chunk: blocks per chunk (the unit of offload, ``>= 1``).
         dtype: ``"float32"`` or ``"bfloat16"`` (model and KV cache).
-        root: NVMe root directory; a temporary directory when ``None``.
-        decode_tokens: greedy tokens decoded after the prompt.
-        skip_group: negative control: do not load this group's chunks.
+        root: NVMe root directory; a temporary directory when ``None``. The
+            namespace names the model, dtype, sizes and seed, so a root may be
+            reused: keys an identical earlier run left there are skipped by
+            the store and still checked by the load.
+        decode_tokens: greedy tokens decoded after the prompt (``>= 0``).
+        skip_group: negative control: do not load this group's chunks (a
+            group id of the model).
         corrupt_one_row: negative control: flip one payload bit on NVMe
             between the two engines.
         seed: seed of the prompt's token ids.
@@ -316,12 +332,19 @@ async def aroundtrip(
         The report; ``report.ok`` says whether the round trip was exact.
 
     Raises:
-        ValueError: bad arguments.
+        ValueError: bad arguments (checked before the model runs).
         RuntimeError: the store was rejected or the engine evicted (the CPU
             budget holds exactly the stored keys, so neither may happen).
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    for name, value, least in (
+        ("block_tokens", block_tokens, 1),
+        ("blocks_per_chunk", blocks_per_chunk, 1),
+        ("decode_tokens", decode_tokens, 0),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
     if prompt_tokens <= block_tokens:
         raise ValueError(
             f"prompt_tokens ({prompt_tokens}) must exceed block_tokens ({block_tokens})"
@@ -351,6 +374,8 @@ async def aroundtrip(
     # Reference: prefill [0, A), page the cache out, continue [A, P) and decode.
     num_blocks = resume // block_tokens + 1
     kv = hf_kv_groups(config, num_blocks, block_tokens, torch_dtype)
+    if skip_group is not None and skip_group not in kv.groups:
+        raise ValueError(f"skip_group {skip_group} is not a group of {model} ({sorted(kv.groups)})")
     store_ids = {
         g: random.Random(seed + 1 + g).sample(range(num_blocks), num_blocks) for g in kv.groups
     }
@@ -400,7 +425,10 @@ async def aroundtrip(
         nvme = kvtier.NVMeConfig(
             root=root,
             capacity_bytes=2 * len(kv.groups) * segment_nbytes,
-            namespace=f"roundtrip/{model}/{dtype}",
+            # Keys are block hashes of the seeded prompt: the sizes and seed
+            # name the namespace, so an identical run finds identical rows.
+            namespace=f"roundtrip/{model}/{dtype}/p{prompt_tokens}-t{block_tokens}"
+            f"-c{blocks_per_chunk}-s{seed}",
             segment_nbytes=segment_nbytes,
         )
         engine_config = kvtier.EngineConfig(
@@ -410,7 +438,8 @@ async def aroundtrip(
         async with kvtier.TransferEngine(layout, engine_config) as engine:
             all_chunks = [c for g in kv.groups for c in chunks["store"][g]]
             result = await engine.store(all_chunks)
-            if result.rejected or len(result.stored) != num_keys:
+            # Skipped: left on NVMe by an identical earlier run (this engine's CPU tier is empty).
+            if result.rejected or len(result.stored) + len(result.skipped) != num_keys:
                 raise RuntimeError(
                     f"store of {num_keys} keys: stored {len(result.stored)}, "
                     f"skipped {len(result.skipped)}, rejected {len(result.rejected)}"
@@ -419,6 +448,7 @@ async def aroundtrip(
             await engine.flush()
             lap("flush")
             store_stats = engine.stats()
+            directory = engine._nvme.directory  # this run's namespace folder under root
         nvme_stats = store_stats.nvme or {}
         nvme_write_failures = int(nvme_stats.get("write_failures", 0))  # type: ignore[call-overload]
         if store_stats.evictions:
@@ -429,7 +459,7 @@ async def aroundtrip(
             for tensor in tensors.values():
                 tensor.zero_()
         if corrupt_one_row:
-            await asyncio.to_thread(flip_payload_bit, root)
+            await asyncio.to_thread(flip_payload_bit, directory)
         lap("drop")
 
         async with kvtier.TransferEngine(layout, engine_config) as engine:
@@ -504,6 +534,7 @@ async def aroundtrip(
         reference_tokens=tuple(ref_tokens),
         resumed_tokens=tuple(res_tokens),
         seconds=seconds,
+        already_stored=len(result.skipped),
     )
 
 
