@@ -23,7 +23,8 @@ class NVMeConfig:
     """Where and how the NVMe tier stores rows.
 
     Attributes:
-        root: directory holding one ``<namespace>-<digest16>/`` folder per format.
+        root: directory holding one ``<namespace>-<digest16>/`` folder per
+            format; created with its parents if missing.
         capacity_bytes: upper bound of row bytes on disk (LRU eviction over rows).
         namespace: the user's label (model id, rank); part of the format digest.
         io_backend: ``"auto"`` (kvikio when it imports and a CUDA driver loads,

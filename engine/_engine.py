@@ -539,7 +539,11 @@ class TransferEngine:
                 )
             if min(ids) < 0 or max(ids) >= group.num_blocks:
                 bad = next(b for b in ids if not 0 <= b < group.num_blocks)
-                raise BlockIdError(f"{key}: block_id {bad} outside [0, {group.num_blocks})")
+                raise BlockIdError(
+                    f"{key}: block_id {bad} outside [0, {group.num_blocks}) (the layout's "
+                    "num_blocks is the size of each tensor's block_dim: for vLLM's "
+                    "(2, num_blocks, ...) K/V tensors pass block_dim=1)"
+                )
             if load:
                 pages = written.setdefault(key.group_id, set())
                 size = len(pages)

@@ -121,13 +121,41 @@ def model_shape(name: str, tokens_per_block: int = 16) -> ModelShape:
     if os.path.isfile(name):
         try:
             with open(name) as f:
-                spec: dict[str, Any] = json.load(f)
-            return ModelShape(
-                spec.get("name", os.path.basename(name)),
-                tuple(LayerSpec(lay["kind"], tuple(lay["page_shape"])) for lay in spec["layers"]),
-                getattr(torch, spec.get("dtype", "bfloat16")),
-                int(spec.get("tokens_per_block", tokens_per_block)),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                spec: Any = json.load(f)
+        except (OSError, ValueError) as exc:
             raise InvalidArgumentError(f"layout file {name}: {exc}") from exc
+        return _shape_of_json(name, spec, tokens_per_block)
     raise InvalidArgumentError(f"unknown layout {name!r}: one of {sorted(SHAPES)} or a JSON file")
+
+
+def _shape_of_json(path: str, spec: Any, tokens_per_block: int) -> ModelShape:
+    """Check a JSON layout's fields (types and sizes); see :func:`model_shape`."""
+
+    def bad(what: str) -> InvalidArgumentError:
+        return InvalidArgumentError(f"layout file {path}: {what}")
+
+    if not isinstance(spec, dict):
+        raise bad(f"expected an object, got {type(spec).__name__}")
+    layers = spec.get("layers")
+    if not isinstance(layers, list) or not layers:
+        raise bad('"layers" must be a non-empty list of {"kind": str, "page_shape": [int, ...]}')
+    specs = []
+    for i, lay in enumerate(layers):
+        if not isinstance(lay, dict) or not isinstance(lay.get("kind"), str):
+            raise bad(f'layers[{i}]: needs a "kind" string')
+        shape = lay.get("page_shape")
+        if (
+            not isinstance(shape, list)
+            or not shape
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape)
+        ):
+            raise bad(f'layers[{i}]: "page_shape" must be a non-empty list of ints >= 1')
+        specs.append(LayerSpec(lay["kind"], tuple(shape)))
+    dtype = getattr(torch, str(spec.get("dtype", "bfloat16")), None)
+    if not isinstance(dtype, torch.dtype):
+        raise bad(f'"dtype" {spec.get("dtype")!r} is not a torch dtype (e.g. "bfloat16")')
+    tpb = spec.get("tokens_per_block", tokens_per_block)
+    if not isinstance(tpb, int) or isinstance(tpb, bool) or tpb < 1:
+        raise bad(f'"tokens_per_block" must be an int >= 1, got {tpb!r}')
+    name = spec.get("name", os.path.basename(path))
+    return ModelShape(str(name), tuple(specs), dtype, tpb)

@@ -61,6 +61,7 @@ import datetime
 import gc
 import hashlib
 import json
+import math
 import os
 import platform
 import random
@@ -105,6 +106,87 @@ class BenchConfig:
     block_order: str = "random"
     gc_freeze: bool = True
     """Freeze the set-up heap before the phases, as a serving process does after start-up."""
+
+
+_SEGMENT_NBYTES = 256 << 20
+"""Segment file size of the bench's tiers (the first one per group is allocated whole)."""
+
+
+def _mem_available() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (Linux), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def preflight(cfg: BenchConfig) -> tuple[ModelShape, int]:
+    """Check that a run of ``cfg`` can work before anything is allocated; its shape and blocks.
+
+    The data set is ``--size`` rounded down to whole chunks, at least one
+    chunk per group. Checked: the memory it needs (on a CPU device about
+    3x the data set plus a slot per chunk: the KV cache, the plain-copy
+    buffers and the CPU tier) against ``MemAvailable``; with NVMe phases,
+    that the folder takes a temporary directory, its free space (about 4x
+    the rows, plus one 256 MiB segment file per group) and that the I/O
+    backend and direct-I/O mode work there (:func:`kvtier.io.select_backend`).
+
+    Returns:
+        ``(shape, num_blocks)``: the layout's shape and blocks per tensor.
+
+    Raises:
+        InvalidArgumentError: unknown layout or a bad layout file.
+        ConfigError: not enough memory or disk; the folder is not writable;
+            the backend or direct-I/O mode does not work there.
+    """
+    from kvtier.errors import ConfigError
+    from kvtier.io import select_backend
+
+    shape = model_shape(cfg.layout, cfg.tokens_per_block)
+    bpc = cfg.blocks_per_chunk
+    num_blocks = max(bpc, cfg.size_bytes // shape.block_nbytes())
+    num_blocks -= num_blocks % bpc
+    groups = shape.groups()
+    item = shape.dtype.itemsize
+    group_nbytes = [sum(math.prod(shape.layers[i].page_shape) for i in g) * item for g in groups]
+    data = num_blocks * shape.block_nbytes()
+    chunks = num_blocks // bpc
+    slot = round_up(max(group_nbytes) * bpc) + 4096
+    rows = chunks * sum(round_up(n * bpc) + 4096 for n in group_nbytes)
+    host = chunks * len(groups) * slot + (3 * data if cfg.device == "cpu" else data)
+    available = _mem_available()
+    if available is not None and host > available:
+        raise ConfigError(
+            f"kvtier bench: {shape.name} at {data / 2**30:.2f} GiB per phase needs about "
+            f"{host / 2**30:.1f} GiB of memory, {available / 2**30:.1f} GiB is available: "
+            "pass a smaller --size (or --blocks-per-chunk, for one chunk per group)"
+        )
+    if not cfg.nvme:
+        return shape, num_blocks
+    folder = cfg.root or os.getcwd()
+    try:
+        probe = tempfile.mkdtemp(prefix="kvtier-bench-probe-", dir=folder)
+    except OSError as exc:
+        raise ConfigError(f"kvtier bench: cannot write in {folder}: {exc} (see --dir)") from exc
+    try:
+        need = 4 * rows + len(groups) * _SEGMENT_NBYTES
+        free = shutil.disk_usage(probe).free
+        if need > free:
+            raise ConfigError(
+                f"kvtier bench: the NVMe phases need about {need / 2**30:.1f} GiB of free "
+                f"space in {folder}, which has {free / 2**30:.1f} GiB: pass a smaller --size "
+                "or another --dir"
+            )
+        io = select_backend(cfg.io_backend, cfg.direct_io, probe, 4 * cfg.io_threads)
+        if isinstance(io, AioRowIO):
+            io.shutdown()
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
+    return shape, num_blocks
 
 
 _NVME_STEPS_PER_REPEAT = 9
@@ -215,15 +297,6 @@ def _batches(chunks: list[kvtier.Chunk], n: int) -> list[list[kvtier.Chunk]]:
     return [chunks[i : i + n] for i in range(0, len(chunks), n)]
 
 
-def _snapshot(layout: KVLayout) -> list[torch.Tensor]:
-    return [
-        p.view.clone()
-        for g in layout.group_ids
-        for lay in layout.group(g).layers
-        for p in lay.pieces
-    ]
-
-
 def _scribble(layout: KVLayout) -> None:
     for g in layout.group_ids:
         for lay in layout.group(g).layers:
@@ -231,9 +304,21 @@ def _scribble(layout: KVLayout) -> None:
                 p.view.fill_(0x5A)
 
 
-def _same(layout: KVLayout, snap: list[torch.Tensor]) -> bool:
-    views = [p.view for g in layout.group_ids for lay in layout.group(g).layers for p in lay.pieces]
-    return all(torch.equal(a, b) for a, b in zip(views, snap, strict=True))
+def _check(ok: bool, what: str) -> None:
+    """Raise ``AssertionError(what)`` unless ``ok`` (an ``assert`` would vanish under -O)."""
+    if not ok:
+        raise AssertionError(what)
+
+
+def _digests(layout: KVLayout) -> list[int]:
+    """The row checksum (xxh3-64) of every tensor's bytes: what the copy phases must keep."""
+    out = []
+    for g in layout.group_ids:
+        for lay in layout.group(g).layers:
+            for p in lay.pieces:
+                view = p.view.detach().contiguous().view(torch.uint8).cpu()
+                out.append(payload_checksum(view.numpy().data.cast("B")))
+    return out
 
 
 def _whole(done: int, want: int, what: str) -> None:
@@ -424,7 +509,8 @@ async def _copy_phases(
     src = torch.empty(payload, dtype=torch.uint8, device=cfg.device).fill_(1)
     dst = HostRegion(round_up(payload), pin=True)
     dst.prefault()
-    gather_region = HostRegion(cfg.batch_chunks * layout.slot_nbytes(bpc), pin=True)
+    per_batch = min(cfg.batch_chunks, len(chunks))  # never more slots than chunks
+    gather_region = HostRegion(per_batch * layout.slot_nbytes(bpc), pin=True)
     specs = {
         g: piece_specs(layout.group(g), layout.layer_offsets(g, bpc)) for g in layout.group_ids
     }
@@ -465,17 +551,30 @@ async def _copy_phases(
     # Alternating per batch instead slowed every kvtier call that followed a
     # torch-gather batch (measured on the 2-vCPU VM: stores 15-35% slower, the
     # same with OMP_NUM_THREADS=1), so passes alternate as in the NVMe phases.
+    # kvtier's loads put back every byte its stores took (checked after each
+    # pass, not timed); the torch-gather load scatters ONE batch of slots into
+    # every batch's blocks, so an untimed kvtier load restores the cache after it.
+    original = _digests(layout)
+
+    def check(what: str) -> None:
+        _check(_digests(layout) == original, f"bench {what}: the KV cache changed bytes")
+
     for _ in range(cfg.repeat):
         async with kvtier.TransferEngine(layout, engine_cfg) as engine:
             for direction, phase in (("store", store), ("load", load)):
                 phase.seconds.append(await _copy_pass(engine, batches, direction, 1, phase))
+                if direction == "load":
+                    check("store -> load")
                 phase.baselines["plain_copy"].append(plain(direction))
                 phase.baselines["torch_gather"].append(gather(direction))
+            await _copy_pass(engine, batches, "load", cfg.inflight_batches, None)
+            check("restore after the torch-gather load")
         async with kvtier.TransferEngine(layout, engine_cfg) as engine:
             for direction, phase in (("store", store), ("load", load)):
                 phase.variants["pipelined"].append(
                     await _copy_pass(engine, batches, direction, cfg.inflight_batches, None)
                 )
+            check("pipelined store -> load")
     dst.close()
     gather_region.close()
 
@@ -498,13 +597,13 @@ async def _copy_pass(
             t0 = time.perf_counter()
             if direction == "store":
                 res = await engine.store(batch)
-                assert len(res.stored) == len(batch), "bench store rejected keys"
+                _check(len(res.stored) == len(batch), "bench store rejected keys")
             elif direction == "prefetch":
                 pre = await engine.prefetch([c.key for c in batch])
-                assert len(pre.promoted) == len(batch), f"bench prefetch failed: {pre.failed}"
+                _check(len(pre.promoted) == len(batch), f"bench prefetch failed: {pre.failed}")
             else:
                 out = await engine.load(batch)
-                assert not out.failed, f"bench load failed: {next(iter(out.failed.values()))}"
+                _check(not out.failed, f"bench load failed: {next(iter(out.failed.values()), '')}")
             if phase is not None:
                 phase.batch_seconds.append(time.perf_counter() - t0)
 
@@ -591,18 +690,18 @@ async def _nvme_phases(
         for phase in (write, read):
             phase.baselines = {"raw_sequential": [], "raw_checksummed": [], "file_per_chunk": []}
         read.variants["cold_load"] = []
-        snap = _snapshot(layout)
+        original = _digests(layout)  # the bytes the copy phases checked and left
         for r in range(cfg.repeat):
             root = os.path.join(tmp, f"tier{r}")
             nvme = kvtier.NVMeConfig(
                 root=root,
-                capacity_bytes=2 * row_bytes + len(rows) * (256 << 20),
+                capacity_bytes=2 * row_bytes + len(rows) * _SEGMENT_NBYTES,
                 namespace=f"bench{r}",
                 io_backend=cfg.io_backend,
                 direct_io=cfg.direct_io,
                 io_threads=cfg.io_threads,
                 request_nbytes=cfg.request_nbytes,
-                segment_nbytes=256 << 20,
+                segment_nbytes=_SEGMENT_NBYTES,
             )
             ecfg = kvtier.EngineConfig(
                 len(chunks) * layout.slot_nbytes(bpc),
@@ -619,13 +718,13 @@ async def _nvme_phases(
             async with kvtier.TransferEngine(layout, staged) as engine:
                 for batch in _batches(chunks, cfg.batch_chunks):  # device -> CPU, not timed
                     res = await engine.store(batch)
-                    assert len(res.stored) == len(batch), "bench store rejected keys"
+                    _check(len(res.stored) == len(batch), "bench store rejected keys")
                 async with lag.watch():
                     t0 = time.perf_counter()
                     # Every key is resident and not yet on NVMe: this writes their rows.
                     res = await engine.store(chunks, durable=True)
                     write.seconds.append(time.perf_counter() - t0)
-                assert len(res.skipped) == len(chunks), "bench keys left the CPU tier"
+                _check(len(res.skipped) == len(chunks), "bench keys left the CPU tier")
                 assert engine._writer is not None
                 write.batch_seconds.extend(engine._writer.batch_seconds)
             progress(f"repeat {r + 1}/{cfg.repeat}: kvtier store + write-through")
@@ -635,13 +734,13 @@ async def _nvme_phases(
                 t0 = time.perf_counter()
                 for batch in _batches(chunks, cfg.batch_chunks):
                     res = await engine.store(batch)
-                    assert len(res.stored) == len(batch), "bench store rejected keys"
+                    _check(len(res.stored) == len(batch), "bench store rejected keys")
                 await engine.flush()
                 e2e.seconds.append(time.perf_counter() - t0)
                 assert engine._writer is not None
                 e2e.batch_seconds.extend(engine._writer.batch_seconds)
                 failures = engine.stats().nvme or {}
-                assert failures.get("write_failures", 0) == 0, f"NVMe write failures: {failures}"
+                _check(failures.get("write_failures", 0) == 0, f"NVMe write failures: {failures}")
             shutil.rmtree(e2e_root, ignore_errors=True)
             for name in e2e.baselines:
                 e2e.baselines[name].append(write.baselines[name][-1])
@@ -659,7 +758,10 @@ async def _nvme_phases(
                     _drop_tree_cache(root)
                 _scribble(layout)
                 async with kvtier.TransferEngine(layout, ecfg) as engine, lag.watch():
-                    assert engine.prefix_hits([c.key for c in chunks]) == len(chunks)
+                    _check(
+                        engine.prefix_hits([c.key for c in chunks]) == len(chunks),
+                        "bench keys missing on NVMe",
+                    )
                     timed = read if direction == "prefetch" else None
                     seconds = await _copy_pass(
                         engine, batches, direction, cfg.inflight_batches, timed
@@ -670,8 +772,10 @@ async def _nvme_phases(
                         await _copy_pass(engine, batches, "load", cfg.inflight_batches, None)
                     else:
                         read.variants["cold_load"].append(seconds)
-                if not _same(layout, snap):
-                    raise AssertionError(f"round trip store -> NVMe -> {direction} changed bytes")
+                _check(
+                    _digests(layout) == original,
+                    f"round trip store -> NVMe -> {direction} changed bytes",
+                )
             info["verified_repeats"] = r + 1
             progress(f"repeat {r + 1}/{cfg.repeat}: file-per-chunk read")
             read.baselines["file_per_chunk"].append(await _in_thread(baselines.files_read))
@@ -734,11 +838,11 @@ async def run_bench(
         "loop_lag_p99_ms", "gc_frozen_objects", ...}``.
 
     Raises:
+        InvalidArgumentError: a bad layout file (:func:`preflight`).
+        ConfigError: the run would not fit, or cannot write (:func:`preflight`).
         AssertionError: a round trip changed bytes or a phase failed keys.
     """
-    shape = model_shape(cfg.layout, cfg.tokens_per_block)
-    num_blocks = max(cfg.blocks_per_chunk, cfg.size_bytes // shape.block_nbytes())
-    num_blocks -= num_blocks % cfg.blocks_per_chunk
+    shape, num_blocks = preflight(cfg)
     progress(f"allocating {shape.name}: {num_blocks} blocks")
     layout = shape.build(num_blocks, cfg.device)
     chunks = _chunks(layout, shape, cfg.blocks_per_chunk, cfg.seed, cfg.block_order)
@@ -794,6 +898,7 @@ async def _run_phases(
             "name": shape.name,
             "groups": len(layout.group_ids),
             "num_blocks": num_blocks,
+            "tokens_per_block": shape.tokens_per_block,  # a layout file's own, if it sets one
             "chunks": len(chunks),
             "slot_nbytes": layout.slot_nbytes(bpc),
             "sum_sized_slot_nbytes": round_up(
@@ -813,8 +918,18 @@ def format_table(result: dict[str, Any]) -> Any:
     """A rich Table of the phases."""
     from rich.table import Table
 
+    lay, cfg = result["layout"], result["config"]
+    moved = result["phases"]["store"]["bytes"]
+    caption = (
+        f"{moved / 2**20:.0f} MiB per phase, {lay['chunks']} chunks x "
+        f"{cfg['blocks_per_chunk']} blocks, {lay['groups']} groups, "
+        f"{cfg['repeat']} repeat{'s' if cfg['repeat'] != 1 else ' (single samples: noisy)'}"
+    )
+    if moved > cfg["size_bytes"]:  # the data set holds at least one chunk per group
+        caption += f"; above --size {cfg['size_bytes'] / 2**20:.0f} MiB: one chunk per group"
     table = Table(
-        title=f"kvtier bench - {result['layout']['name']} ({result['machine']['device']})"
+        title=f"kvtier bench - {result['layout']['name']} ({result['machine']['device']})",
+        caption=caption,
     )
     for col in ("phase", "GB/s", "p50 ms", "p99 ms", "baseline GB/s", "ratio"):
         table.add_column(col, justify="right" if col != "phase" else "left")

@@ -19,41 +19,68 @@ from kvtier.errors import KVTierError
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, option: str | None = None) -> int:
     """Parse ``"512M"``, ``"2GiB"``, ``"4096"`` into bytes (binary units).
 
+    Args:
+        text: the size.
+        option: the option it came from, named in the error.
+
     Raises:
-        click.BadParameter: not a size.
+        click.BadParameter: not a size, or not positive.
     """
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
     if not m:
-        raise click.BadParameter(f"{text!r} is not a size like 512M or 2G")
+        raise click.BadParameter(f"{text!r} is not a size like 512M or 2G", param_hint=option)
     size = int(float(m.group(1)) * _UNITS[m.group(2)])
     if size <= 0:
-        raise click.BadParameter(f"{text!r}: the size must be positive")
+        raise click.BadParameter(f"{text!r}: the size must be positive", param_hint=option)
     return size
 
 
-async def _stoppable(coro: Any) -> Any:
-    """Run ``coro`` as the main task; SIGTERM cancels it (where the loop can catch signals).
+def _output_path(path: str | None, option: str) -> None:
+    """Refuse an output file that cannot be written, before the run rather than after it.
 
-    A job scheduler's stop then ends the run as Ctrl-C does: the task is
-    cancelled at its next ``await``, so its ``finally`` blocks and engine
-    closes run and temporary files and namespace locks are cleaned up. (A
+    Raises:
+        click.BadParameter: ``path`` is a folder, or its folder is missing or read-only.
+    """
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise click.BadParameter(f"{path} is a folder, not a file", param_hint=option)
+    if not os.path.isdir(folder):
+        raise click.BadParameter(f"no folder {folder}", param_hint=option)
+    if not os.access(folder, os.W_OK):
+        raise click.BadParameter(f"{folder} is not writable", param_hint=option)
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+async def _stoppable(coro: Any) -> Any:
+    """Run ``coro`` as the main task; SIGTERM and SIGINT cancel it (where the loop can).
+
+    A job scheduler's stop or Ctrl-C, pressed once or many times, cancels the
+    task at its next ``await``, so its ``finally`` blocks and engine closes
+    run and temporary files and namespace locks are cleaned up. (A
     ``KeyboardInterrupt`` raised by a signal handler could land anywhere,
-    e.g. inside a copy's completion callback, and leave the run hanging.)
+    e.g. inside a copy's completion callback or the clean-up itself, and
+    leave the run hanging or its folder behind.)
     """
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None
     try:
-        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        for sig in _STOP_SIGNALS:
+            loop.add_signal_handler(sig, task.cancel)
     except (NotImplementedError, RuntimeError):  # no loop signal handlers here
         return await coro
     try:
         return await coro
     finally:
-        loop.remove_signal_handler(signal.SIGTERM)
+        for sig in _STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
 
 
 def _run(coro: Any) -> Any:
@@ -65,8 +92,8 @@ def _run(coro: Any) -> Any:
         run = uvloop.run
     try:
         return run(_stoppable(coro))
-    except asyncio.CancelledError:  # SIGTERM: stopped like Ctrl-C ("Aborted!", exit 1)
-        raise KeyboardInterrupt("SIGTERM") from None
+    except asyncio.CancelledError:  # SIGTERM or SIGINT: "Aborted!", exit 1
+        raise KeyboardInterrupt("stopped") from None
 
 
 FC = TypeVar("FC", bound=Callable[..., Any])
@@ -174,12 +201,24 @@ def bench(**kw: Any) -> None:
                 "--plot needs matplotlib: pip install matplotlib (or this checkout's "
                 "'.[plot]' extra)"
             ) from None
-    request = parse_size(kw["request_size"])
+    request = parse_size(kw["request_size"], "--request-size")
     if request % 4096:
-        raise click.BadParameter("--request-size must be a multiple of 4 KiB")
+        raise click.BadParameter("must be a multiple of 4 KiB", param_hint="--request-size")
+    _output_path(kw["json_path"], "--json")
+    _output_path(kw["plot_path"], "--plot")
+    if kw["plot_path"]:
+        import matplotlib.pyplot as plt
+
+        ext = os.path.splitext(kw["plot_path"])[1].lstrip(".").lower()
+        kinds = plt.figure().canvas.get_supported_filetypes()
+        plt.close("all")
+        if ext not in kinds:
+            raise click.BadParameter(
+                f"{ext or 'no'} extension: one of {', '.join(sorted(kinds))}", param_hint="--plot"
+            )
     cfg = BenchConfig(
         layout=kw["layout"],
-        size_bytes=parse_size(kw["size"]),
+        size_bytes=parse_size(kw["size"], "--size"),
         blocks_per_chunk=kw["blocks_per_chunk"],
         tokens_per_block=kw["tokens_per_block"],
         batch_chunks=kw["batch_chunks"],
@@ -218,8 +257,12 @@ def bench(**kw: Any) -> None:
 
         try:
             result = _run(run_bench(cfg, progress=progress))
-        except KVTierError as exc:
+        except KVTierError as exc:  # preflight: memory, disk, folder, backend, layout file
             raise click.ClickException(str(exc)) from exc
+        except OSError as exc:  # e.g. the disk filled up during the run
+            raise click.ClickException(f"kvtier bench: {exc}") from exc
+        except AssertionError as exc:  # a check of the moved bytes or keys failed
+            raise click.ClickException(f"kvtier bench check failed: {exc}") from exc
     Console().print(format_table(result))
     line = "scheduling overhead (us/chunk, 16-byte pages): " + ", ".join(
         f"{k} {v}" for k, v in result["scheduling_overhead_us_per_chunk"].items()

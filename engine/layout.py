@@ -588,7 +588,8 @@ class KVLayout:
 
     def __repr__(self) -> str:
         parts = ", ".join(
-            f"{g}: {len(gl.layers)} layers, {gl.block_payload_nbytes} B/block in all"
+            f"{g}: {len(gl.layers)} layers, {gl.num_blocks} blocks of "
+            f"{gl.block_payload_nbytes} B in all"
             for g, gl in self._groups.items()
         )
         return f"KVLayout({parts}; device={self.device})"
