@@ -207,11 +207,10 @@ def bench(**kw: Any) -> None:
     _output_path(kw["json_path"], "--json")
     _output_path(kw["plot_path"], "--plot")
     if kw["plot_path"]:
-        import matplotlib.pyplot as plt
+        from matplotlib.backend_bases import FigureCanvasBase  # no figure, no GUI backend
 
         ext = os.path.splitext(kw["plot_path"])[1].lstrip(".").lower()
-        kinds = plt.figure().canvas.get_supported_filetypes()
-        plt.close("all")
+        kinds = FigureCanvasBase.get_supported_filetypes()
         if ext not in kinds:
             raise click.BadParameter(
                 f"{ext or 'no'} extension: one of {', '.join(sorted(kinds))}", param_hint="--plot"
