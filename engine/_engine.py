@@ -963,15 +963,11 @@ class TransferEngine:
         promoted: list[OffloadKey] = []
         try:
             if promote:
-                promoted, errors = await self._writer.promote(promote, protect=set(keys))
+                promoted, errors = await self._writer.promote(promote, protect=set(keys), hint=True)
                 failed.update(errors)
         finally:
             for key in (*resident, *promoted):
                 self._pool.unpin(key)  # resident and evictable, like a stored key
-        for key in promoted:
-            entry = self._pool.get(key)
-            if entry is not None:
-                entry.hinted = True  # its first load is its first use for the policy
         return PrefetchResult(tuple(promoted), tuple(resident), failed)
 
     def _withdraw(self, direction: Direction, call: _Call) -> bool:
@@ -1171,16 +1167,24 @@ class TransferEngine:
 
         ``reserved_nbytes`` is ``slot_nbytes`` times occupied slots;
         ``slot_waste_nbytes`` is reserved minus the payload the keys use.
-        After close, ``nvme`` keeps the tier's counters as they were at close.
+        ``keys_per_group`` counts resident keys (pinned included, stores in
+        flight not). After close, ``nvme`` keeps the tier's counters as they
+        were at close. The slot figures come from one pass over the pool, so
+        they add up to ``num_slots`` also when another thread (a metrics
+        scrape) reads them while the engine's loop runs.
         """
         pool = self._pool
         per_group: dict[int, int] = {}
         payload = 0
-        for e in pool.entries():
-            g = e.key.group_id
-            per_group[g] = per_group.get(g, 0) + 1
+        states = dict.fromkeys(SlotState, 0)
+        for e in list(pool.entries()):  # one snapshot: a scrape thread may read mid-change
+            state = e.state
+            states[state] += 1
             payload += e.payload_nbytes
-        occupied = self.num_slots - pool.free_count
+            if state is not SlotState.WRITING:
+                g = e.key.group_id
+                per_group[g] = per_group.get(g, 0) + 1
+        occupied = sum(states.values())
         c = self._c
         nvme: dict[str, Any] | None
         if self._nvme is not None:
@@ -1190,10 +1194,10 @@ class TransferEngine:
         return EngineStats(
             num_slots=self.num_slots,
             slot_nbytes=self.slot_nbytes,
-            slots_free=pool.free_count,
-            slots_writing=pool.count(SlotState.WRITING),
-            slots_resident=pool.count(SlotState.RESIDENT),
-            slots_pinned=pool.count(SlotState.PINNED),
+            slots_free=self.num_slots - occupied,
+            slots_writing=states[SlotState.WRITING],
+            slots_resident=states[SlotState.RESIDENT],
+            slots_pinned=states[SlotState.PINNED],
             keys_per_group=dict(sorted(per_group.items())),
             payload_nbytes=payload,
             reserved_nbytes=occupied * self.slot_nbytes,

@@ -26,7 +26,10 @@ class EvictionPolicy(Protocol):
 
         A policy may also have ``refresh(key)``: a prefetch hint that the key
         is needed soon, which must not count as an access (without it the
-        pool calls ``touch``).
+        pool calls ``touch``); ``insert_hint(key)``: a prefetch made the key
+        resident (without it the pool calls ``insert``); and
+        ``first_use(key)``: the first load of such a key (without it the pool
+        calls ``refresh``).
         """
 
     def remove(self, key: Hashable, *, evicted: bool) -> None:
@@ -94,22 +97,53 @@ class ARCPolicy:
         self.t2: OrderedDict[Hashable, None] = OrderedDict()
         self.b1: OrderedDict[Hashable, None] = OrderedDict()
         self.b2: OrderedDict[Hashable, None] = OrderedDict()
+        self.hinted_ghosts: dict[Hashable, bool] = {}
+        """Keys a prefetch brought back from a ghost list, not loaded yet -> was it ``B1``."""
 
     def insert(self, key: Hashable) -> None:
         """A new resident key: into ``T2`` when a ghost hit, else ``T1`` (adapts ``p``)."""
         if key in self.t1 or key in self.t2:
             self.touch(key)
             return
-        if key in self.b1:
-            self.p = min(float(self.capacity), self.p + max(len(self.b2) / len(self.b1), 1.0))
-            del self.b1[key]
-            self.t2[key] = None
-        elif key in self.b2:
-            self.p = max(0.0, self.p - max(len(self.b1) / len(self.b2), 1.0))
-            del self.b2[key]
-            self.t2[key] = None
+        if key in self.b1 or key in self.b2:
+            self._ghost_hit(key, key in self.b1)
+            (self.b1 if key in self.b1 else self.b2).pop(key)
         else:
             self.t1[key] = None
+
+    def _ghost_hit(self, key: Hashable, in_b1: bool) -> None:
+        """Fig. 4 cases II and III: adapt ``p`` towards the list that missed it; into ``T2``."""
+        b1, b2 = len(self.b1) or 1, len(self.b2) or 1
+        if in_b1:
+            self.p = min(float(self.capacity), self.p + max(b2 / b1, 1.0))
+        else:
+            self.p = max(0.0, self.p - max(b1 / b2, 1.0))
+        self.t2[key] = None
+
+    def insert_hint(self, key: Hashable) -> None:
+        """A prefetch made ``key`` resident: the MRU end of ``T1``, not a use.
+
+        A key remembered in a ghost list leaves it, and its ghost hit is
+        applied only at its first load (:meth:`first_use`); an unused prefetch
+        neither adapts ``p`` nor puts the key among the frequently used.
+        """
+        if key in self.t1 or key in self.t2:
+            self.refresh(key)
+            return
+        for ghost, in_b1 in ((self.b1, True), (self.b2, False)):
+            if key in ghost:
+                del ghost[key]
+                self.hinted_ghosts[key] = in_b1
+        self.t1[key] = None
+
+    def first_use(self, key: Hashable) -> None:
+        """The first load of a prefetched key: its ghost hit if it had one, else a refresh."""
+        in_b1 = self.hinted_ghosts.pop(key, None)
+        if in_b1 is None or key not in self.t1:
+            self.refresh(key)
+            return
+        del self.t1[key]
+        self._ghost_hit(key, in_b1)
 
     def touch(self, key: Hashable) -> None:
         """A hit moves ``key`` to the MRU end of ``T2``."""
@@ -127,7 +161,18 @@ class ARCPolicy:
                 return
 
     def remove(self, key: Hashable, *, evicted: bool) -> None:
-        """Drop ``key``; an evicted key is remembered in its ghost list."""
+        """Drop ``key``; an evicted key is remembered in its ghost list.
+
+        A prefetched ghost never loaded goes back to the ghost list it came from.
+        """
+        in_b1 = self.hinted_ghosts.pop(key, None)
+        if in_b1 is not None and key in self.t1:
+            del self.t1[key]
+            ghost = self.b1 if in_b1 else self.b2
+            ghost[key] = None
+            while len(ghost) > self.capacity:
+                ghost.popitem(last=False)
+            return
         for live, ghost in ((self.t1, self.b1), (self.t2, self.b2)):
             if key in live:
                 del live[key]

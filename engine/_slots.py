@@ -171,13 +171,23 @@ class SlotPool:
         self._unused += 1
         return self._unused - 1
 
-    def commit(self, key: OffloadKey) -> None:
-        """``writing -> resident``: the store's copy completed."""
+    def commit(self, key: OffloadKey, *, hint: bool = False) -> None:
+        """``writing -> resident``: the store's (or promotion's) copy completed.
+
+        ``hint``: a prefetch brought the key in; it is marked ``hinted`` and
+        the policy gets ``insert_hint`` where it has one (ARC: a recently
+        evicted key is not counted as used again until its first load).
+        """
         entry = self._entries.get(key)
         if entry is None or not entry.writing:
             raise SlotStateError(f"commit of {key} in state {entry and entry.state}")
         entry.writing = False
-        self.policy.insert(key)
+        entry.hinted = hint
+        insert_hint = getattr(self.policy, "insert_hint", None) if hint else None
+        if insert_hint is not None:
+            insert_hint(key)
+        else:
+            self.policy.insert(key)
 
     def abort(self, key: OffloadKey) -> None:
         """``writing -> free``: the copy failed or the store was cancelled."""
@@ -206,12 +216,17 @@ class SlotPool:
         """Tell the policy that ``key`` was hit (a load, or a store of a present key).
 
         The first use of a key that a prefetch made resident is its first
-        access, not its second: the policy only refreshes it (``refresh``).
+        access, not its second: the policy gets ``first_use`` where it has
+        one, else only a refresh (``refresh``).
         """
         entry = self._entries.get(key)
         if entry is not None and entry.hinted:
             entry.hinted = False
-            self.refresh(key)
+            first_use = getattr(self.policy, "first_use", None)
+            if first_use is not None:
+                first_use(key)
+            else:
+                self.refresh(key)
         else:
             self.policy.touch(key)
 

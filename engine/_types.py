@@ -220,7 +220,8 @@ class EngineStats:
             (write-through). A store that finds every slot writing or pinned
             rejects its keys; ``await engine.flush()`` waits until the rows
             are written and their slots evictable again.
-        keys_per_group: resident keys per group id.
+        keys_per_group: resident keys per group id (pinned included; keys whose
+            store is still copying are not).
         payload_nbytes: payload bytes of the keys in slots.
         reserved_nbytes: ``slot_nbytes`` times occupied slots.
         slot_waste_nbytes: ``reserved_nbytes - payload_nbytes``.

@@ -331,9 +331,13 @@ class NVMeWriter:
 
     # ------------------------------------------------------------------ promotion
     async def promote(
-        self, keys: list[OffloadKey], protect: Collection[OffloadKey]
+        self, keys: list[OffloadKey], protect: Collection[OffloadKey], *, hint: bool = False
     ) -> tuple[list[OffloadKey], dict[OffloadKey, BaseException]]:
-        """Read NVMe-only keys into CPU slots; returns (keys promoted and pinned, failures)."""
+        """Read NVMe-only keys into CPU slots; returns (keys promoted and pinned, failures).
+
+        ``hint``: a prefetch, not a use; the keys are committed as hinted
+        (:meth:`SlotPool.commit`) and their first load is their first use.
+        """
         engine = self._engine
         pool = engine._pool
         region = engine._region
@@ -381,7 +385,7 @@ class NVMeWriter:
                 engine._c.failures[kind] = engine._c.failures.get(kind, 0) + 1
             else:
                 entry.start, entry.stop = res
-                pool.commit(key)
+                pool.commit(key, hint=hint)
                 pool.pin(key)
                 ok.append(key)
                 self.promotions += 1

@@ -1,12 +1,21 @@
-"""Prometheus collectors for a :class:`~kvtier.TransferEngine` (optional dependency).
+"""Prometheus collectors for :class:`~kvtier.TransferEngine` (optional dependency).
 
 ``prometheus_client`` is imported only when :func:`register_prometheus` is
-called. The collector reads :meth:`TransferEngine.stats` at scrape time, so
-it adds no cost to the hot path.
+called. The export reads :meth:`TransferEngine.stats` at scrape time, so it
+adds no cost to the hot path.
+
+One collector per registry and metric namespace holds every engine exported
+there (told apart by their constant labels), so each metric is ONE family
+whose samples carry each engine's labels: two collectors yielding the same
+family name would give an exposition with two ``# TYPE`` lines for it, which
+Prometheus' OpenMetrics parser refuses. Engines are held by weak reference,
+and a closed engine exports nothing.
 """
 
 from __future__ import annotations
 
+import re
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -16,142 +25,130 @@ from kvtier.errors import InvalidArgumentError
 if TYPE_CHECKING:
     from kvtier._engine import TransferEngine
 
-# registry -> (namespace, labels) already exported there (weak: registries come and go)
-_REGISTERED: weakref.WeakKeyDictionary[Any, set[tuple[str, tuple[tuple[str, str], ...]]]] = (
-    weakref.WeakKeyDictionary()
-)
+_RESERVED_LABELS = frozenset({"state", "tier", "group_id", "outcome", "direction", "kind"})
+"""Labels of the metrics themselves: a constant label of that name would be overwritten."""
+
+_LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+Ident = tuple[tuple[str, str], ...]
+
+# registry -> {namespace: its collector} (weak: registries come and go)
+_EXPORTERS: weakref.WeakKeyDictionary[Any, dict[str, _Exporter]] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
 
 
-class _EngineCollector:
-    def __init__(self, engine: TransferEngine, namespace: str, labels: dict[str, str]) -> None:
-        self._engine = engine
-        self._ns = namespace
-        self._labels = labels
-        self.ident: tuple[str, tuple[tuple[str, str], ...]] = ("", ())
+def _samples(s: Any) -> Iterator[tuple[str, str, str, dict[str, str], float]]:
+    """``(type, name, help, labels, value)`` of one engine's stats snapshot."""
+    for state, n in (
+        ("free", s.slots_free),
+        ("writing", s.slots_writing),
+        ("resident", s.slots_resident),
+        ("pinned", s.slots_pinned),
+    ):
+        yield "gauge", "slots", "CPU slots by state", {"state": state}, n
+    keys = "resident keys per tier and group"
+    for g, n in s.keys_per_group.items():
+        yield "gauge", "resident_keys", keys, {"tier": "cpu", "group_id": str(g)}, n
+    nvme: dict[str, Any] = dict(s.nvme or {})
+    if nvme:
+        rows = float(nvme.get("rows_resident", 0))
+        yield "gauge", "resident_keys", keys, {"tier": "nvme", "group_id": "all"}, rows
+    waste = "reserved slot bytes not used by payload"
+    yield "gauge", "slot_waste_bytes", waste, {}, s.slot_waste_nbytes
+    yield "gauge", "slot_reserved_bytes", "bytes of occupied slots", {}, s.reserved_nbytes
+    for outcome, n in (("hit", s.hits), ("nvme_hit", s.nvme_hits), ("miss", s.misses)):
+        yield "counter", "lookups", "load lookups by outcome", {"outcome": outcome}, n
+    for direction, n, sec in (
+        ("store", s.store_bytes, s.store_seconds),
+        ("load", s.load_bytes, s.load_seconds),
+    ):
+        labels = {"direction": direction}
+        yield "counter", "transfer_bytes", "payload bytes copied per direction", labels, n
+        yield "counter", "transfer_seconds", "seconds spent in copy jobs per direction", labels, sec
+    yield "counter", "evictions", "CPU slot evictions", {}, s.evictions
+    for kind, n in s.failures.items():
+        yield "counter", "failures", "failed copies and promotions by kind", {"kind": kind}, n
+    yield "counter", "rejected", "stored keys rejected for lack of a slot", {}, s.rejected
+    if nvme:
+        for direction in ("read", "write"):
+            labels = {"direction": direction}
+            n = float(nvme.get(f"{direction}_bytes", 0))
+            yield "counter", "nvme_bytes", "NVMe bytes per direction", labels, n
+            sec = float(nvme.get(f"{direction}_seconds", 0))
+            yield "counter", "nvme_seconds", "NVMe I/O seconds per direction", labels, sec
+        for k, v in nvme.items():
+            if k.startswith("failures_"):
+                kind = {"kind": k.removeprefix("failures_")}
+                yield "counter", "nvme_failures", "NVMe failures by kind", kind, float(v)
+        used = float(nvme.get("bytes_used", 0))
+        yield "gauge", "nvme_bytes_used", "bytes of NVMe rows in use", {}, used
+        fallback = float(nvme.get("direct_io_fallback", 0))
+        doc = "1 when O_DIRECT was unavailable and buffered I/O is used"
+        yield "gauge", "direct_io_fallback", doc, {}, fallback
+        bad = float(nvme.get("checksum_failures", 0))
+        yield "counter", "checksum_failures", "rows whose checksum did not match", {}, bad
+    doc = "1 when the CPU pool is page-locked"
+    yield "gauge", "pinned_memory", doc, {}, float(s.pinned_memory)
+
+
+def _snapshot(engine: TransferEngine) -> Any:
+    """``engine.stats()``, retried when a scrape thread catches the loop mid-change."""
+    for _ in range(8):
+        try:
+            return engine.stats()
+        except (RuntimeError, AttributeError):  # a dict changed size; a close in progress
+            continue
+    return None
+
+
+class _Exporter:
+    """The collector of one registry and namespace: every engine exported there."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self.engines: dict[Ident, weakref.ref[TransferEngine]] = {}
 
     def describe(self) -> list[Any]:
         return []
 
+    def live(self, ident: Ident) -> bool:
+        """Whether ``ident`` names an engine that is still alive and not closed."""
+        ref = self.engines.get(ident)
+        engine = ref() if ref is not None else None
+        return engine is not None and engine._state != "closed"
+
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        ns, names = self._ns, list(self._labels)
-        values = list(self._labels.values())
-        # Scrapes run on the exporter's thread while the engine's loop mutates
-        # its dicts: a snapshot taken mid-change raises; take another one.
-        for _ in range(8):
-            try:
-                s = self._engine.stats()
-                break
-            except RuntimeError:
+        families: dict[str, Any] = {}
+        with _LOCK:
+            engines = list(self.engines.items())
+        for ident, ref in engines:
+            engine = ref()
+            if engine is None or engine._state == "closed":
                 continue
-        else:
-            return
+            stats = _snapshot(engine)
+            if stats is None:
+                continue
+            const = dict(ident)
+            for kind, name, doc, labels, value in _samples(stats):
+                full = f"{self.namespace}_{name}"
+                family = families.get(full)
+                if family is None:
+                    cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+                    family = families[full] = cls(full, doc)
+                sample = f"{full}_total" if kind == "counter" else full
+                family.add_sample(sample, {**const, **labels}, float(value))
+        yield from families.values()
 
-        def gauge(name: str, doc: str, value: float, extra: dict[str, str] | None = None) -> Any:
-            extra = extra or {}
-            g = GaugeMetricFamily(f"{ns}_{name}", doc, labels=[*names, *extra])
-            g.add_metric([*values, *extra.values()], value)
-            return g
 
-        def counter(
-            name: str, doc: str, items: dict[tuple[str, ...], float], label: list[str]
-        ) -> Any:
-            c = CounterMetricFamily(f"{ns}_{name}", doc, labels=[*names, *label])
-            for key, value in items.items():
-                c.add_metric([*values, *key], value)
-            return c
+class Export:
+    """What :func:`register_prometheus` returns: one engine's place in a collector."""
 
-        slots = GaugeMetricFamily(f"{ns}_slots", "CPU slots by state", labels=[*names, "state"])
-        for state, n in (
-            ("free", s.slots_free),
-            ("writing", s.slots_writing),
-            ("resident", s.slots_resident),
-            ("pinned", s.slots_pinned),
-        ):
-            slots.add_metric([*values, state], n)
-        yield slots
-        keys = GaugeMetricFamily(
-            f"{ns}_resident_keys",
-            "resident keys per tier and group",
-            labels=[*names, "tier", "group_id"],
-        )
-        for g, n in s.keys_per_group.items():
-            keys.add_metric([*values, "cpu", str(g)], n)
-        nvme: dict[str, Any] = dict(s.nvme or {})
-        if nvme:
-            keys.add_metric([*values, "nvme", "all"], float(nvme.get("rows_resident", 0)))
-        yield keys
-        yield gauge(
-            "slot_waste_bytes", "reserved slot bytes not used by payload", s.slot_waste_nbytes
-        )
-        yield gauge("slot_reserved_bytes", "bytes of occupied slots", s.reserved_nbytes)
-        yield counter(
-            "lookups",
-            "load lookups by outcome",
-            {("hit",): s.hits, ("nvme_hit",): s.nvme_hits, ("miss",): s.misses},
-            ["outcome"],
-        )
-        yield counter(
-            "transfer_bytes",
-            "payload bytes copied per direction",
-            {("store",): s.store_bytes, ("load",): s.load_bytes},
-            ["direction"],
-        )
-        yield counter(
-            "transfer_seconds",
-            "seconds spent in copy jobs per direction",
-            {("store",): s.store_seconds, ("load",): s.load_seconds},
-            ["direction"],
-        )
-        yield counter("evictions", "CPU slot evictions", {(): s.evictions}, [])
-        yield counter(
-            "failures",
-            "failed copies and promotions by kind",
-            {(k,): float(v) for k, v in s.failures.items()},
-            ["kind"],
-        )
-        yield counter("rejected", "stored keys rejected for lack of a slot", {(): s.rejected}, [])
-        if nvme:
-            yield counter(
-                "nvme_bytes",
-                "NVMe bytes per direction",
-                {
-                    ("read",): float(nvme.get("read_bytes", 0)),
-                    ("write",): float(nvme.get("write_bytes", 0)),
-                },
-                ["direction"],
-            )
-            yield counter(
-                "nvme_seconds",
-                "NVMe I/O seconds per direction",
-                {
-                    ("read",): float(nvme.get("read_seconds", 0)),
-                    ("write",): float(nvme.get("write_seconds", 0)),
-                },
-                ["direction"],
-            )
-            failures: dict[tuple[str, ...], float] = {
-                (k.removeprefix("failures_"),): float(v)
-                for k, v in nvme.items()
-                if k.startswith("failures_")
-            }
-            yield counter("nvme_failures", "NVMe failures by kind", failures, ["kind"])
-            yield gauge(
-                "nvme_bytes_used", "bytes of NVMe rows in use", float(nvme.get("bytes_used", 0))
-            )
-            yield gauge(
-                "direct_io_fallback",
-                "1 when O_DIRECT was unavailable and buffered I/O is used",
-                float(nvme.get("direct_io_fallback", 0)),
-            )
-            yield counter(
-                "checksum_failures",
-                "rows whose checksum did not match",
-                {(): float(nvme.get("checksum_failures", 0))},
-                [],
-            )
-        yield gauge("pinned_memory", "1 when the CPU pool is page-locked", float(s.pinned_memory))
+    def __init__(self, exporter: _Exporter, ident: Ident, registry: Any) -> None:
+        self.exporter = exporter
+        self.ident = ident
+        self.registry = registry
 
 
 def register_prometheus(
@@ -160,45 +157,74 @@ def register_prometheus(
     *,
     namespace: str = "kvtier",
     labels: dict[str, str] | None = None,
-) -> Any:
+) -> Export:
     """Export ``engine.stats()`` as Prometheus metrics.
+
+    Several engines may share a registry and namespace when their constant
+    ``labels`` differ: their samples then share each metric family. The
+    engine is held by weak reference; once it is closed it exports nothing.
 
     Args:
         engine: the engine to export.
         registry: a ``prometheus_client.CollectorRegistry`` (default: the global REGISTRY).
         namespace: metric name prefix.
-        labels: constant labels added to every sample (e.g. ``{"rank": "0"}``).
+        labels: constant labels added to every sample (e.g. ``{"rank": "0"}``);
+            names of the metrics' own labels (``state``, ``tier``,
+            ``group_id``, ``outcome``, ``direction``, ``kind``) are refused.
 
     Returns:
-        The collector (pass it to ``registry.unregister`` to stop exporting).
+        The export (pass it to :func:`unregister_prometheus` to stop).
 
     Raises:
         ImportError: ``prometheus_client`` is not installed.
-        InvalidArgumentError: an engine is already exported to ``registry``
-            with the same namespace and labels (series would collide).
+        InvalidArgumentError: a live engine is already exported to ``registry``
+            with the same namespace and labels (series would collide), or a
+            label name is invalid or one of the metrics' own.
     """
     import prometheus_client
 
     registry = registry or prometheus_client.REGISTRY
-    ident = (namespace, tuple(sorted((labels or {}).items())))
-    taken = _REGISTERED.setdefault(registry, set())
-    if ident in taken:
-        raise InvalidArgumentError(
-            f"an engine is already exported to this registry with labels {dict(ident[1])}: "
-            "pass labels= (e.g. {'rank': '1'}) to tell engines apart, or stop exporting "
-            "the other one first (kvtier.metrics.unregister_prometheus(collector))"
-        )
-    collector = _EngineCollector(engine, namespace, dict(labels or {}))
-    registry.register(collector)
-    taken.add(ident)
-    collector.ident = ident
-    return collector
+    labels = dict(labels or {})
+    for name, value in labels.items():
+        if not isinstance(name, str) or not _LABEL.fullmatch(name) or name.startswith("__"):
+            raise InvalidArgumentError(f"{name!r} is not a Prometheus label name")
+        if name in _RESERVED_LABELS:
+            raise InvalidArgumentError(
+                f"label {name!r} is a label of kvtier's own metrics: choose another name"
+            )
+        if not isinstance(value, str):
+            raise InvalidArgumentError(f"label {name!r}: value must be a str, got {value!r}")
+    ident: Ident = tuple(sorted(labels.items()))
+    with _LOCK:
+        exporters = _EXPORTERS.setdefault(registry, {})
+        exporter = exporters.get(namespace)
+        if exporter is not None and exporter.live(ident):
+            raise InvalidArgumentError(
+                f"an engine is already exported to this registry with labels {labels}: "
+                "pass labels= (e.g. {'rank': '1'}) to tell engines apart, or stop exporting "
+                "the other one first (kvtier.metrics.unregister_prometheus(export))"
+            )
+        if exporter is None:
+            exporter = exporters[namespace] = _Exporter(namespace)
+            registry.register(exporter)
+        exporter.engines[ident] = weakref.ref(engine)
+    return Export(exporter, ident, registry)
 
 
-def unregister_prometheus(collector: Any, registry: Any = None) -> None:
-    """Stop exporting an engine registered by :func:`register_prometheus`."""
-    import prometheus_client
+def unregister_prometheus(export: Export, registry: Any = None) -> None:
+    """Stop exporting an engine registered by :func:`register_prometheus` (idempotent).
 
-    registry = registry or prometheus_client.REGISTRY
-    registry.unregister(collector)
-    _REGISTERED.get(registry, set()).discard(collector.ident)
+    Args:
+        export: what :func:`register_prometheus` returned.
+        registry: ignored (the export knows its registry); kept for callers
+            that pass it.
+    """
+    with _LOCK:
+        exporter = export.exporter
+        exporter.engines.pop(export.ident, None)
+        if exporter.engines:
+            return
+        exporters = _EXPORTERS.get(export.registry, {})
+        if exporters.get(exporter.namespace) is exporter:
+            del exporters[exporter.namespace]
+            export.registry.unregister(exporter)
