@@ -143,7 +143,10 @@ class ARCPolicy:
             self.refresh(key)
             return
         del self.t1[key]
+        ghost = self.b1 if in_b1 else self.b2
+        ghost[key] = None  # counted in its ghost list, as insert() counts it
         self._ghost_hit(key, in_b1)
+        del ghost[key]
 
     def touch(self, key: Hashable) -> None:
         """A hit moves ``key`` to the MRU end of ``T2``."""

@@ -29,6 +29,7 @@ _RESERVED_LABELS = frozenset({"state", "tier", "group_id", "outcome", "direction
 """Labels of the metrics themselves: a constant label of that name would be overwritten."""
 
 _LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+_METRIC = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 Ident = tuple[tuple[str, str], ...]
 
@@ -145,10 +146,13 @@ class _Exporter:
 class Export:
     """What :func:`register_prometheus` returns: one engine's place in a collector."""
 
-    def __init__(self, exporter: _Exporter, ident: Ident, registry: Any) -> None:
+    def __init__(
+        self, exporter: _Exporter, ident: Ident, registry: Any, ref: weakref.ref[TransferEngine]
+    ) -> None:
         self.exporter = exporter
         self.ident = ident
         self.registry = registry
+        self.ref = ref
 
 
 def register_prometheus(
@@ -167,7 +171,8 @@ def register_prometheus(
     Args:
         engine: the engine to export.
         registry: a ``prometheus_client.CollectorRegistry`` (default: the global REGISTRY).
-        namespace: metric name prefix.
+        namespace: metric name prefix (a Prometheus metric name: letters,
+            digits, ``_`` and ``:``, not starting with a digit).
         labels: constant labels added to every sample (e.g. ``{"rank": "0"}``);
             names of the metrics' own labels (``state``, ``tier``,
             ``group_id``, ``outcome``, ``direction``, ``kind``) are refused.
@@ -178,12 +183,16 @@ def register_prometheus(
     Raises:
         ImportError: ``prometheus_client`` is not installed.
         InvalidArgumentError: a live engine is already exported to ``registry``
-            with the same namespace and labels (series would collide), or a
-            label name is invalid or one of the metrics' own.
+            with the same namespace and labels (series would collide), the
+            namespace is not a metric name, or a label name is invalid or
+            one of the metrics' own.
     """
     import prometheus_client
 
     registry = registry or prometheus_client.REGISTRY
+    if not isinstance(namespace, str) or not _METRIC.fullmatch(namespace):
+        # prometheus_client would rewrite it (my-ns -> my_ns): two namespaces could clash
+        raise InvalidArgumentError(f"namespace {namespace!r} is not a Prometheus metric name")
     labels = dict(labels or {})
     for name, value in labels.items():
         if not isinstance(name, str) or not _LABEL.fullmatch(name) or name.startswith("__"):
@@ -207,8 +216,10 @@ def register_prometheus(
         if exporter is None:
             exporter = exporters[namespace] = _Exporter(namespace)
             registry.register(exporter)
-        exporter.engines[ident] = weakref.ref(engine)
-    return Export(exporter, ident, registry)
+        for old in [i for i in exporter.engines if not exporter.live(i)]:
+            del exporter.engines[old]  # dead or closed engines: scrapes skip them anyway
+        ref = exporter.engines[ident] = weakref.ref(engine)
+    return Export(exporter, ident, registry, ref)
 
 
 def unregister_prometheus(export: Export, registry: Any = None) -> None:
@@ -221,7 +232,8 @@ def unregister_prometheus(export: Export, registry: Any = None) -> None:
     """
     with _LOCK:
         exporter = export.exporter
-        exporter.engines.pop(export.ident, None)
+        if exporter.engines.get(export.ident) is export.ref:  # not a later engine's place
+            del exporter.engines[export.ident]
         if exporter.engines:
             return
         exporters = _EXPORTERS.get(export.registry, {})
