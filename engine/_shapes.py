@@ -128,6 +128,14 @@ def model_shape(name: str, tokens_per_block: int = 16) -> ModelShape:
     raise InvalidArgumentError(f"unknown layout {name!r}: one of {sorted(SHAPES)} or a JSON file")
 
 
+_QUANTIZED = frozenset(
+    getattr(torch, n)
+    for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+    if hasattr(torch, n)
+)
+"""Quantized dtypes: a tensor of them cannot be filled with random bytes."""
+
+
 def _shape_of_json(path: str, spec: Any, tokens_per_block: int) -> ModelShape:
     """Check a JSON layout's fields (types and sizes); see :func:`model_shape`."""
 
@@ -152,8 +160,8 @@ def _shape_of_json(path: str, spec: Any, tokens_per_block: int) -> ModelShape:
             raise bad(f'layers[{i}]: "page_shape" must be a non-empty list of ints >= 1')
         specs.append(LayerSpec(lay["kind"], tuple(shape)))
     dtype = getattr(torch, str(spec.get("dtype", "bfloat16")), None)
-    if not isinstance(dtype, torch.dtype):
-        raise bad(f'"dtype" {spec.get("dtype")!r} is not a torch dtype (e.g. "bfloat16")')
+    if not isinstance(dtype, torch.dtype) or dtype in _QUANTIZED:
+        raise bad(f'"dtype" {spec.get("dtype")!r} is not a plain torch dtype (e.g. "bfloat16")')
     tpb = spec.get("tokens_per_block", tokens_per_block)
     if not isinstance(tpb, int) or isinstance(tpb, bool) or tpb < 1:
         raise bad(f'"tokens_per_block" must be an int >= 1, got {tpb!r}')

@@ -74,6 +74,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from rich.markup import escape
 
 import kvtier
 from kvtier._shapes import LayerSpec, ModelShape, model_shape
@@ -81,6 +82,7 @@ from kvtier._slots import HostRegion
 from kvtier._transfer import ChunkCopy, PieceSpec, piece_specs, slot_views
 from kvtier.io import AioRowIO
 from kvtier.io._format import payload_checksum
+from kvtier.io._tier import GROW_NBYTES
 from kvtier.layout import KVLayout, round_up
 
 
@@ -132,8 +134,9 @@ def preflight(cfg: BenchConfig) -> tuple[ModelShape, int]:
     3x the data set plus a slot per chunk: the KV cache, the plain-copy
     buffers and the CPU tier) against ``MemAvailable``; with NVMe phases,
     that the folder takes a temporary directory, its free space (about 4x
-    the rows, plus one 256 MiB segment file per group) and that the I/O
-    backend and direct-I/O mode work there (:func:`kvtier.io.select_backend`).
+    the rows, plus a growth step per group for each of two tiers) and that
+    the I/O backend and direct-I/O mode work there
+    (:func:`kvtier.io.select_backend`; for ``aio``, two contexts).
 
     Returns:
         ``(shape, num_blocks)``: the layout's shape and blocks per tensor.
@@ -158,6 +161,7 @@ def preflight(cfg: BenchConfig) -> tuple[ModelShape, int]:
     slot = round_up(max(group_nbytes) * bpc) + 4096
     rows = chunks * sum(round_up(n * bpc) + 4096 for n in group_nbytes)
     host = chunks * len(groups) * slot + (3 * data if cfg.device == "cpu" else data)
+    host += 512 << 20  # the process itself: Python, torch, the engines' threads
     available = _mem_available()
     if available is not None and host > available:
         raise ConfigError(
@@ -173,7 +177,11 @@ def preflight(cfg: BenchConfig) -> tuple[ModelShape, int]:
     except OSError as exc:
         raise ConfigError(f"kvtier bench: cannot write in {folder}: {exc} (see --dir)") from exc
     try:
-        need = 4 * rows + len(groups) * _SEGMENT_NBYTES
+        # raw.bin, the file-per-chunk files and two tiers at once (tier{r}, tier{r}-e2e),
+        # each tier with up to one growth step per group beyond its rows (NVMeTier).
+        capacity = 2 * rows + len(groups) * _SEGMENT_NBYTES
+        step = min(_SEGMENT_NBYTES - 4096, GROW_NBYTES, capacity // (4 * len(groups)))
+        need = 4 * rows + 2 * len(groups) * step
         free = shutil.disk_usage(probe).free
         if need > free:
             raise ConfigError(
@@ -181,9 +189,20 @@ def preflight(cfg: BenchConfig) -> tuple[ModelShape, int]:
                 f"space in {folder}, which has {free / 2**30:.1f} GiB: pass a smaller --size "
                 "or another --dir"
             )
-        io = select_backend(cfg.io_backend, cfg.direct_io, probe, 4 * cfg.io_threads)
-        if isinstance(io, AioRowIO):
-            io.shutdown()
+        # The run holds two backends at once (the baselines' and the tier's): for
+        # "aio", two kernel contexts must fit under fs.aio-max-nr.
+        ios = [select_backend(cfg.io_backend, cfg.direct_io, probe, 4 * cfg.io_threads)]
+        if isinstance(ios[0], AioRowIO):
+            try:
+                ios.append(AioRowIO(4 * cfg.io_threads))
+            except OSError as exc:
+                raise ConfigError(
+                    f"kvtier bench --io-backend aio: the run needs two AIO contexts of "
+                    f"{4 * cfg.io_threads} requests: {exc} (fewer --io-threads?)"
+                ) from exc
+        for io in ios:
+            if isinstance(io, AioRowIO):
+                io.shutdown()
     finally:
         shutil.rmtree(probe, ignore_errors=True)
     return shape, num_blocks
@@ -308,6 +327,15 @@ def _check(ok: bool, what: str) -> None:
     """Raise ``AssertionError(what)`` unless ``ok`` (an ``assert`` would vanish under -O)."""
     if not ok:
         raise AssertionError(what)
+
+
+def _first(failed: dict[Any, BaseException]) -> str:
+    """One failure of many, and how many there were (a one-line message)."""
+    if not failed:
+        return ""
+    key, err = next(iter(failed.items()))
+    more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+    return f"{key}: {err}{more}"
 
 
 def _digests(layout: KVLayout) -> list[int]:
@@ -562,6 +590,8 @@ async def _copy_phases(
     for _ in range(cfg.repeat):
         async with kvtier.TransferEngine(layout, engine_cfg) as engine:
             for direction, phase in (("store", store), ("load", load)):
+                if direction == "load":
+                    _scribble(layout)  # not timed: the load must write every byte back
                 phase.seconds.append(await _copy_pass(engine, batches, direction, 1, phase))
                 if direction == "load":
                     check("store -> load")
@@ -571,6 +601,8 @@ async def _copy_phases(
             check("restore after the torch-gather load")
         async with kvtier.TransferEngine(layout, engine_cfg) as engine:
             for direction, phase in (("store", store), ("load", load)):
+                if direction == "load":
+                    _scribble(layout)
                 phase.variants["pipelined"].append(
                     await _copy_pass(engine, batches, direction, cfg.inflight_batches, None)
                 )
@@ -600,10 +632,11 @@ async def _copy_pass(
                 _check(len(res.stored) == len(batch), "bench store rejected keys")
             elif direction == "prefetch":
                 pre = await engine.prefetch([c.key for c in batch])
-                _check(len(pre.promoted) == len(batch), f"bench prefetch failed: {pre.failed}")
+                _check(not pre.failed, f"bench prefetch failed: {_first(pre.failed)}")
+                _check(len(pre.promoted) == len(batch), "bench prefetch promoted too few keys")
             else:
                 out = await engine.load(batch)
-                _check(not out.failed, f"bench load failed: {next(iter(out.failed.values()), '')}")
+                _check(not out.failed, f"bench load failed: {_first(out.failed)}")
             if phase is not None:
                 phase.batch_seconds.append(time.perf_counter() - t0)
 
@@ -741,6 +774,20 @@ async def _nvme_phases(
                 e2e.batch_seconds.extend(engine._writer.batch_seconds)
                 failures = engine.stats().nvme or {}
                 _check(failures.get("write_failures", 0) == 0, f"NVMe write failures: {failures}")
+            # Not timed: the write-through rows load back, from NVMe, as the bytes stored.
+            _scribble(layout)
+            async with kvtier.TransferEngine(layout, e2e_cfg) as engine:
+                _check(
+                    engine.prefix_hits([c.key for c in chunks]) == len(chunks),
+                    "bench write-through rows missing on NVMe",
+                )
+                await _copy_pass(
+                    engine, _batches(chunks, cfg.batch_chunks), "load", cfg.inflight_batches, None
+                )
+            _check(
+                _digests(layout) == original,
+                "round trip store + write-through -> NVMe -> load changed bytes",
+            )
             shutil.rmtree(e2e_root, ignore_errors=True)
             for name in e2e.baselines:
                 e2e.baselines[name].append(write.baselines[name][-1])
@@ -843,7 +890,7 @@ async def run_bench(
         AssertionError: a round trip changed bytes or a phase failed keys.
     """
     shape, num_blocks = preflight(cfg)
-    progress(f"allocating {shape.name}: {num_blocks} blocks")
+    progress(f"allocating {escape(shape.name)}: {num_blocks} blocks")
     layout = shape.build(num_blocks, cfg.device)
     chunks = _chunks(layout, shape, cfg.blocks_per_chunk, cfg.seed, cfg.block_order)
     # A caller that froze its heap already manages the collector: leave it alone.
@@ -928,7 +975,7 @@ def format_table(result: dict[str, Any]) -> Any:
     if moved > cfg["size_bytes"]:  # the data set holds at least one chunk per group
         caption += f"; above --size {cfg['size_bytes'] / 2**20:.0f} MiB: one chunk per group"
     table = Table(
-        title=f"kvtier bench - {result['layout']['name']} ({result['machine']['device']})",
+        title=f"kvtier bench - {escape(result['layout']['name'])} ({result['machine']['device']})",
         caption=caption,
     )
     for col in ("phase", "GB/s", "p50 ms", "p99 ms", "baseline GB/s", "ratio"):

@@ -41,27 +41,58 @@ def parse_size(text: str, option: str | None = None) -> int:
 def _output_path(path: str | None, option: str) -> None:
     """Refuse an output file that cannot be written, before the run rather than after it.
 
+    The file is opened for appending (and removed again if that created it).
+
     Raises:
-        click.BadParameter: ``path`` is a folder, or its folder is missing or read-only.
+        click.BadParameter: ``path`` is a folder, its folder is missing or
+            read-only, or it cannot be opened (a dangling link, a name too long).
     """
     if path is None:
         return
-    folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise click.BadParameter(f"{path} is a folder, not a file", param_hint=option)
-    if not os.path.isdir(folder):
-        raise click.BadParameter(f"no folder {folder}", param_hint=option)
-    if not os.access(folder, os.W_OK):
-        raise click.BadParameter(f"{folder} is not writable", param_hint=option)
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        why = exc.strerror or exc
+        raise click.BadParameter(f"cannot write {path}: {why}", param_hint=option) from None
+    if not existed:
+        os.unlink(path)
 
 
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+def _plot_format(path: str) -> None:
+    """Refuse an image format matplotlib cannot write here (e.g. pgf without LaTeX).
+
+    Raises:
+        click.BadParameter: unknown extension, or a tiny figure fails to save in it.
+    """
+    from matplotlib.backend_bases import FigureCanvasBase
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend
+
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if ext not in kinds:
+        raise click.BadParameter(
+            f"{ext or 'no'} extension: one of {', '.join(sorted(kinds))}", param_hint="--plot"
+        )
+    try:
+        fig = Figure(figsize=(1, 1))
+        fig.text(0.5, 0.5, "kvtier")  # text needs the format's text machinery (pgf: LaTeX)
+        fig.savefig(os.devnull, format=ext)
+    except Exception as exc:  # a format whose writer is missing here
+        raise click.BadParameter(f"cannot write {ext} here: {exc}", param_hint="--plot") from None
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 async def _stoppable(coro: Any) -> Any:
-    """Run ``coro`` as the main task; SIGTERM and SIGINT cancel it (where the loop can).
+    """Run ``coro`` as the main task; SIGTERM, SIGINT, SIGHUP cancel it (where the loop can).
 
-    A job scheduler's stop or Ctrl-C, pressed once or many times, cancels the
+    A job scheduler's stop, Ctrl-C (pressed once or many times) or a closed
+    terminal cancels the
     task at its next ``await``, so its ``finally`` blocks and engine closes
     run and temporary files and namespace locks are cleaned up. (A
     ``KeyboardInterrupt`` raised by a signal handler could land anywhere,
@@ -207,14 +238,7 @@ def bench(**kw: Any) -> None:
     _output_path(kw["json_path"], "--json")
     _output_path(kw["plot_path"], "--plot")
     if kw["plot_path"]:
-        from matplotlib.backend_bases import FigureCanvasBase  # no figure, no GUI backend
-
-        ext = os.path.splitext(kw["plot_path"])[1].lstrip(".").lower()
-        kinds = FigureCanvasBase.get_supported_filetypes()
-        if ext not in kinds:
-            raise click.BadParameter(
-                f"{ext or 'no'} extension: one of {', '.join(sorted(kinds))}", param_hint="--plot"
-            )
+        _plot_format(kw["plot_path"])
     cfg = BenchConfig(
         layout=kw["layout"],
         size_bytes=parse_size(kw["size"], "--size"),
@@ -272,10 +296,13 @@ def bench(**kw: Any) -> None:
             f"I/O: {result['io'].get('backend', '-')}, direct={result['io'].get('direct_io', '-')}"
         )
     click.echo(line)
-    if kw["json_path"]:
-        to_json(result, kw["json_path"])
-    if kw["plot_path"]:
-        plot(result, kw["plot_path"])
+    try:
+        if kw["json_path"]:
+            to_json(result, kw["json_path"])
+        if kw["plot_path"]:
+            plot(result, kw["plot_path"])
+    except (OSError, ValueError, RuntimeError) as exc:  # checked before the run; still possible
+        raise click.ClickException(f"kvtier bench: writing the results failed: {exc}") from exc
 
 
 @main.command()
