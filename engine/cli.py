@@ -92,9 +92,9 @@ async def _stoppable(coro: Any) -> Any:
     """Run ``coro`` as the main task; SIGTERM, SIGINT, SIGHUP cancel it (where the loop can).
 
     A job scheduler's stop, Ctrl-C (pressed once or many times) or a closed
-    terminal cancels the
-    task at its next ``await``, so its ``finally`` blocks and engine closes
-    run and temporary files and namespace locks are cleaned up. (A
+    terminal cancels the task at its next ``await``, so its ``finally`` blocks
+    and engine closes run and temporary files and namespace locks are cleaned
+    up. (A
     ``KeyboardInterrupt`` raised by a signal handler could land anywhere,
     e.g. inside a copy's completion callback or the clean-up itself, and
     leave the run hanging or its folder behind.)
@@ -123,7 +123,7 @@ def _run(coro: Any) -> Any:
         run = uvloop.run
     try:
         return run(_stoppable(coro))
-    except asyncio.CancelledError:  # SIGTERM or SIGINT: "Aborted!", exit 1
+    except asyncio.CancelledError:  # a stop signal: "Aborted!", exit 1
         raise KeyboardInterrupt("stopped") from None
 
 
