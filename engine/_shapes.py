@@ -125,6 +125,8 @@ def model_shape(name: str, tokens_per_block: int = 16) -> ModelShape:
         except (OSError, ValueError) as exc:
             raise InvalidArgumentError(f"layout file {name}: {exc}") from exc
         return _shape_of_json(name, spec, tokens_per_block)
+    if name.endswith(".json") or os.sep in name:
+        raise InvalidArgumentError(f"layout file {name}: no such file")
     raise InvalidArgumentError(f"unknown layout {name!r}: one of {sorted(SHAPES)} or a JSON file")
 
 

@@ -164,10 +164,16 @@ def preflight(cfg: BenchConfig) -> tuple[ModelShape, int]:
     host += 512 << 20  # the process itself: Python, torch, the engines' threads
     available = _mem_available()
     if available is not None and host > available:
+        floor = num_blocks == bpc  # one chunk per group: --size is not what sets it
+        advice = (
+            f"one chunk per group is the least a run moves: pass a smaller --blocks-per-chunk "
+            f"(now {bpc})"
+            if floor
+            else "pass a smaller --size"
+        )
         raise ConfigError(
             f"kvtier bench: {shape.name} at {data / 2**30:.2f} GiB per phase needs about "
-            f"{host / 2**30:.1f} GiB of memory, {available / 2**30:.1f} GiB is available: "
-            "pass a smaller --size (or --blocks-per-chunk, for one chunk per group)"
+            f"{host / 2**30:.1f} GiB of memory, {available / 2**30:.1f} GiB is available: " + advice
         )
     if not cfg.nvme:
         return shape, num_blocks
@@ -181,13 +187,19 @@ def preflight(cfg: BenchConfig) -> tuple[ModelShape, int]:
         # each tier with up to one growth step per group beyond its rows (NVMeTier).
         capacity = 2 * rows + len(groups) * _SEGMENT_NBYTES
         step = min(_SEGMENT_NBYTES - 4096, GROW_NBYTES, capacity // (4 * len(groups)))
-        need = 4 * rows + 2 * len(groups) * step
+        least = 2 * len(groups) * step  # each group's first segment file, in two tiers
+        need = 4 * rows + least
         free = shutil.disk_usage(probe).free
         if need > free:
+            advice = (
+                "pass a smaller --size or another --dir"
+                if least <= free
+                else f"no --size fits: any run needs about {least / 2**30:.1f} GiB (a segment "
+                "file per group in two tiers); pass another --dir, or --no-nvme"
+            )
             raise ConfigError(
                 f"kvtier bench: the NVMe phases need about {need / 2**30:.1f} GiB of free "
-                f"space in {folder}, which has {free / 2**30:.1f} GiB: pass a smaller --size "
-                "or another --dir"
+                f"space in {folder}, which has {free / 2**30:.1f} GiB: {advice}"
             )
         # The run holds two backends at once (the baselines' and the tier's): for
         # "aio", two kernel contexts must fit under fs.aio-max-nr.
@@ -932,7 +944,8 @@ async def _run_phases(
     overhead = await _scheduling_overhead(cfg, shape, len(chunks))
     bpc = cfg.blocks_per_chunk
     return {
-        "config": asdict(cfg),
+        # the block size in effect (a layout file's own tokens_per_block wins)
+        "config": {**asdict(cfg), "tokens_per_block": shape.tokens_per_block},
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {
             "platform": platform.platform(),
@@ -967,9 +980,10 @@ def format_table(result: dict[str, Any]) -> Any:
 
     lay, cfg = result["layout"], result["config"]
     moved = result["phases"]["store"]["bytes"]
+    groups = f"{lay['groups']} group{'s' if lay['groups'] != 1 else ''}"
     caption = (
         f"{moved / 2**20:.0f} MiB per phase, {lay['chunks']} chunks x "
-        f"{cfg['blocks_per_chunk']} blocks, {lay['groups']} groups, "
+        f"{cfg['blocks_per_chunk']} blocks, {groups}, "
         f"{cfg['repeat']} repeat{'s' if cfg['repeat'] != 1 else ' (single samples: noisy)'}"
     )
     if moved > cfg["size_bytes"]:  # the data set holds at least one chunk per group

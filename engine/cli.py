@@ -158,7 +158,12 @@ def main() -> None:
     help="KV cache bytes moved per phase (at least one chunk per group).",
 )
 @_count("--blocks-per-chunk", 16, "GPU blocks per chunk (one offload key, one NVMe row per group).")
-@_count("--tokens-per-block", 16, "Tokens per GPU block (sets the block size of the layout).")
+@_count(
+    "--tokens-per-block",
+    16,
+    "Tokens per GPU block (sets the block size of the layout; a layout file's own "
+    "tokens_per_block wins).",
+)
 @_count("--batch-chunks", 32, "Chunks per store/load/prefetch call.")
 @_count(
     "--io-threads",
