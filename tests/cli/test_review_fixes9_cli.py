@@ -349,3 +349,54 @@ def test_roundtrip_root_reused_with_other_sizes_and_after_a_corrupt_row(
     assert healed.already_stored > 0
     assert not healed.failed
     assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 4
+
+
+# --- from an operator's trial (87db6e9): what a refusal advises ---------------------------
+
+
+def test_a_missing_layout_file_is_named_as_such(tmp_path: Path) -> None:
+    from kvtier._shapes import model_shape
+    from kvtier.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="no such file"):
+        model_shape(str(tmp_path / "missing.json"))
+    with pytest.raises(InvalidArgumentError, match="unknown layout"):
+        model_shape("llama-9")
+
+
+def test_one_chunk_per_group_too_big_for_memory_advises_fewer_blocks_per_chunk() -> None:
+    from kvtier.bench import BenchConfig, preflight
+    from kvtier.errors import ConfigError
+
+    # qwen3-next blocks are ~21 MB: 4096 of them are ~80 GiB whatever --size says
+    cfg = BenchConfig(layout="qwen3-next", size_bytes=1, blocks_per_chunk=4096, nvme=False)
+    with pytest.raises(ConfigError, match="smaller --blocks-per-chunk") as err:
+        preflight(cfg)
+    assert "smaller --size" not in str(err.value)
+
+
+@needs_mount
+def test_a_filesystem_too_small_for_any_size_says_so(tmp_path: Path) -> None:
+    rc, _out, err, left = _bench_on_tmpfs(tmp_path / "tiny", "size=8m", "--size 1M --repeat 1")
+    assert rc == 1, err
+    assert "no --size fits" in err
+    assert "Traceback" not in err
+    assert left == []
+
+
+def test_the_json_config_records_a_layout_files_own_block_size(tmp_path: Path) -> None:
+    from kvtier.bench import BenchConfig, run_bench
+
+    path = tmp_path / "tpb.json"
+    layers = [
+        {"kind": "full", "page_shape": [2, 8, 1, 64]},
+        {"kind": "sliding", "page_shape": [2, 8, 1, 64]},
+    ]
+    path.write_text(json.dumps({"tokens_per_block": 8, "layers": layers}))
+    cfg = BenchConfig(
+        layout=str(path), size_bytes=1 << 20, tokens_per_block=32, repeat=1, nvme=False,
+        device="cpu",
+    )  # fmt: skip
+    result = asyncio.run(run_bench(cfg))
+    assert result["layout"]["tokens_per_block"] == 8
+    assert result["config"]["tokens_per_block"] == 8
