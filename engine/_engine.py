@@ -229,25 +229,41 @@ class TransferEngine:
 
     @staticmethod
     def _alias_classes(layout: KVLayout) -> dict[int, int]:
-        """Map each group to the smallest group id sharing storage with it."""
-        storages = {
-            g: {
-                p.view.untyped_storage().data_ptr()
-                for lay in layout.group(g).layers
-                for p in lay.pieces
-            }
-            for g in layout.group_ids
-        }
+        """Map each group to the smallest group id whose tensors' memory may overlap its own.
+
+        By address extents per device, not by storage object: two storages
+        may map the same memory (``torch.frombuffer``, DLPack, CUDA IPC).
+        Groups whose extents touch nothing of another group's never alias
+        (their loads skip the page check).
+        """
+        spans = []  # (device, first byte, end, group) of every piece
+        for g in layout.group_ids:
+            for lay in layout.group(g).layers:
+                for p in lay.pieces:
+                    v = p.view
+                    item = v.element_size()
+                    dims = list(zip(v.shape, v.stride(), strict=True))
+                    low = sum(min(0, st * (n - 1)) for n, st in dims)
+                    high = sum(max(0, st * (n - 1)) for n, st in dims)
+                    base = v.data_ptr()
+                    spans.append((str(v.device), base + low * item, base + (high + 1) * item, g))
+        spans.sort()
         cls = {g: g for g in layout.group_ids}
-        changed = True
-        while changed:
-            changed = False
-            for a in layout.group_ids:
-                for b in layout.group_ids:
-                    if cls[a] != cls[b] and storages[a] & storages[b]:
-                        cls[a] = cls[b] = min(cls[a], cls[b])
-                        changed = True
-        return cls
+
+        def root(g: int) -> int:
+            while cls[g] != g:
+                g = cls[g]
+            return g
+
+        reach, head, device = -1, -1, ""
+        for dev, start, end, g in spans:  # a run of overlapping extents is one class
+            if dev == device and start < reach:
+                a, b = root(head), root(g)
+                cls[max(a, b)] = min(a, b)
+                reach = max(reach, end)
+            else:
+                device, reach, head = dev, end, g
+        return {g: root(g) for g in layout.group_ids}
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> Self:

@@ -226,18 +226,19 @@ def _first_overlap(runs: list[tuple[torch.Tensor, int]]) -> tuple[int, int] | No
 def _check_disjoint(
     group_id: int,
     regions: list[LayerRegion],
-    layer_runs: list[tuple[tuple[torch.Tensor, int] | None, int]],
+    layer_runs: list[tuple[tuple[torch.Tensor, int] | None, torch.device]],
 ) -> None:
     """Raise LayoutError when two blocks or two layers of one group share a byte.
 
-    Exact over every block (layers on one storage are checked together, one
-    sort); pages with more than ``_MAX_SEGMENTS`` runs in all are not checked.
+    Exact over every block (layers on one device are checked together, one
+    sort of absolute addresses); pages with more than ``_MAX_SEGMENTS`` runs
+    in all are not checked.
     """
-    by_storage: dict[int, list[int]] = {}
-    for i, (runs, storage) in enumerate(layer_runs):
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (runs, device) in enumerate(layer_runs):
         if runs is not None:
-            by_storage.setdefault(storage, []).append(i)
-    for members in by_storage.values():
+            by_device.setdefault(device, []).append(i)
+    for members in by_device.values():
         clash = _first_overlap([layer_runs[i][0] for i in members])  # type: ignore[misc]
         if clash is None:
             continue
@@ -337,8 +338,11 @@ class KVLayout:
             LayoutError: empty groups, a non-tensor, mixed devices, a meta or
                 sparse tensor, a bad block dimension, layers of one group with
                 different ``num_blocks``, one layer name for different tensors
-                in two groups, a payload outside ``(0, page bytes]``,
-                overlapping layers inside one group, or a bad ``tokens_per_block``.
+                in two groups, a payload outside ``(0, page bytes]``, an
+                expanded view (a dimension of size > 1 with stride 0),
+                overlapping layers inside one group (compared by address on
+                each device, also across storages that map the same memory),
+                or a bad ``tokens_per_block``.
 
         """
         if not isinstance(groups, Mapping) or not groups:
@@ -373,7 +377,7 @@ class KVLayout:
                 raise LayoutError(f"tokens_per_block for group {group_id} must be > 0: {tpb!r}")
             regions: list[LayerRegion] = []
             seen: dict[tuple[Any, ...], int] = {}
-            layer_runs: list[tuple[tuple[torch.Tensor, int] | None, int]] = []
+            layer_runs: list[tuple[tuple[torch.Tensor, int] | None, torch.device]] = []
             for name, tensor in layers.items():
                 if not isinstance(tensor, torch.Tensor):
                     raise LayoutError(f"layer {name!r}: expected a torch.Tensor")
@@ -406,6 +410,12 @@ class KVLayout:
                     raise LayoutError(f"layer {name!r}: the last dimension must be contiguous")
                 if tensor.numel() == 0:
                     raise LayoutError(f"layer {name!r} is empty: shape {tuple(tensor.shape)}")
+                dims = zip(tensor.shape, tensor.stride(), strict=True)
+                if any(n > 1 and st == 0 for n, st in dims):
+                    raise LayoutError(  # its blocks (or elements) would share bytes
+                        f"layer {name!r} is an expanded view (a dimension of size > 1 with "
+                        f"stride 0: shape {tuple(tensor.shape)}, strides {tensor.stride()})"
+                    )
                 view = _byte_view(tensor, bd)
                 page_nbytes = math.prod(view.shape[1:])
                 payload = payload_nbytes.get(name, page_nbytes)
@@ -432,7 +442,9 @@ class KVLayout:
                     )
                     continue
                 runs = _segment_starts(view)
-                layer_runs.append((runs, view.untyped_storage().data_ptr()))
+                # by device, not storage: two storages may map the same memory
+                # (torch.frombuffer, from_numpy, DLPack, CUDA IPC)
+                layer_runs.append((runs, view.device))
                 seen[ident] = len(regions)
                 regions.append(
                     LayerRegion(
