@@ -37,7 +37,7 @@ from kvtier.errors import (
     NotStoredError,
     TransferError,
 )
-from kvtier.layout import KVLayout, page_intervals
+from kvtier.layout import KVLayout, byte_extent, page_intervals
 
 log = logging.getLogger("kvtier")
 
@@ -236,18 +236,12 @@ class TransferEngine:
         Groups whose extents touch nothing of another group's never alias
         (their loads skip the page check).
         """
-        spans = []  # (device, first byte, end, group) of every piece
-        for g in layout.group_ids:
-            for lay in layout.group(g).layers:
-                for p in lay.pieces:
-                    v = p.view
-                    item = v.element_size()
-                    dims = list(zip(v.shape, v.stride(), strict=True))
-                    low = sum(min(0, st * (n - 1)) for n, st in dims)
-                    high = sum(max(0, st * (n - 1)) for n, st in dims)
-                    base = v.data_ptr()
-                    spans.append((str(v.device), base + low * item, base + (high + 1) * item, g))
-        spans.sort()
+        spans = sorted(  # (device, first byte, end, group) of every piece
+            (str(p.view.device), *byte_extent(p.view), g)
+            for g in layout.group_ids
+            for lay in layout.group(g).layers
+            for p in lay.pieces
+        )
         cls = {g: g for g in layout.group_ids}
 
         def root(g: int) -> int:

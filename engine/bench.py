@@ -69,7 +69,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -328,11 +328,17 @@ def _batches(chunks: list[kvtier.Chunk], n: int) -> list[list[kvtier.Chunk]]:
     return [chunks[i : i + n] for i in range(0, len(chunks), n)]
 
 
-def _scribble(layout: KVLayout) -> None:
+def _piece_views(layout: KVLayout) -> Iterator[torch.Tensor]:
+    """Every piece view of every layer of every group, in layout order."""
     for g in layout.group_ids:
         for lay in layout.group(g).layers:
             for p in lay.pieces:
-                p.view.fill_(0x5A)
+                yield p.view
+
+
+def _scribble(layout: KVLayout) -> None:
+    for view in _piece_views(layout):
+        view.fill_(0x5A)
 
 
 def _check(ok: bool, what: str) -> None:
@@ -353,11 +359,9 @@ def _first(failed: dict[Any, BaseException]) -> str:
 def _digests(layout: KVLayout) -> list[int]:
     """The row checksum (xxh3-64) of every tensor's bytes: what the copy phases must keep."""
     out = []
-    for g in layout.group_ids:
-        for lay in layout.group(g).layers:
-            for p in lay.pieces:
-                view = p.view.detach().contiguous().view(torch.uint8).cpu()
-                out.append(payload_checksum(view.numpy().data.cast("B")))
+    for piece in _piece_views(layout):
+        view = piece.detach().contiguous().view(torch.uint8).cpu()
+        out.append(payload_checksum(view.numpy().data.cast("B")))
     return out
 
 

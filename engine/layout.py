@@ -251,13 +251,20 @@ def _check_disjoint(
         raise LayoutError(f"group {group_id}: layer {b!r} overlaps layer {a!r}")
 
 
+def byte_extent(t: torch.Tensor) -> tuple[int, int]:
+    """Absolute bytes ``[first, end)`` that a tensor view can touch (any strides, any dtype)."""
+    dims = list(zip(t.shape, t.stride(), strict=True))
+    low = sum(min(0, st * (n - 1)) for n, st in dims)
+    high = sum(max(0, st * (n - 1)) for n, st in dims)
+    item = t.element_size()
+    return t.data_ptr() + low * item, t.data_ptr() + (high + 1) * item
+
+
 def page_intervals(view: torch.Tensor, block: int) -> list[tuple[int, int]]:
     """Absolute byte intervals ``[start, end)`` of one block's page of a layer view."""
     got = _segment_starts(view[block : block + 1])
     if got is None:  # too many runs: the page's bounding extent (conservative)
-        page = view[block]
-        last = sum((n - 1) * st for n, st in zip(page.shape, page.stride(), strict=True))
-        return [(page.data_ptr(), page.data_ptr() + last + 1)]
+        return [byte_extent(view[block])]
     starts, run = got
     return [(int(x), int(x) + run) for x in starts.tolist()]
 
