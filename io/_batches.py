@@ -98,8 +98,10 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
     """Allocate rows, write them in coalesced runs, publish or free each row.
 
     Stale rows left by earlier calls are blanked first (so this batch can
-    reuse them); rows of other groups evicted for this batch are blanked
-    while the batch is written (their disk blocks are released). The groups
+    reuse them); rows of other groups evicted for this batch stay as they are
+    (free, to be overwritten by their group's next write) unless the tier
+    is past its disk budget: then they are punched while the batch is
+    written (see :func:`reclaim`). The groups
     of the batch proceed independently: a group whose segment must grow
     first does not hold back the writes of the others. Runs as a tier task
     (shielded from the caller); never raises for I/O errors.
@@ -293,6 +295,8 @@ async def _grow_step(tier: NVMeTier, group_id: int) -> Exception | None:
     index = tier._index
     plan = index.plan_growth(group_id)
     try:
+        if index.over_budget:  # first punch free rows the workload left (never raises)
+            await reclaim(tier)
         await grow(tier, plan)
     except Exception as exc:
         index.abandon_growth(plan)
@@ -351,14 +355,28 @@ async def grow(tier: NVMeTier, plan: Growth) -> None:
     )
 
 
-async def reclaim(tier: NVMeTier) -> None:
-    """Blank the index's stale rows (punch a hole, else zero the trailer), then free them.
+async def reclaim(tier: NVMeTier, final: bool = False) -> None:
+    """Blank the index's stale rows, then free them.
+
+    Rows left unblanked by eviction are blanked too at a ``final`` reclaim
+    (close) and whenever the tier has allocated past its disk budget. Within
+    the budget a row's trailer is zeroed and the row keeps its disk blocks
+    (its next write is an overwrite of written blocks); past it, rows are
+    deallocated with a punched hole (zeroed trailer where unsupported), so
+    that disk blocks come back within the budget.
 
     A failed blanking is logged and counted (``reclaim_failures``); the row
     is freed anyway (its next write overwrites the trailer; until then a
     restart may find its old key again, with intact bytes). Never raises.
     """
-    refs = tier._index.take_stale()
+    index = tier._index
+    punch = index.over_budget
+    refs = index.take_stale()
+    if punch:  # back within the budget: punch the stale rows, then evicted rows as needed
+        excess = index.held_nbytes - index.disk_budget_nbytes
+        refs += index.take_unblanked(excess - sum(index.row_nbytes(r.group_id) for r in refs))
+    if final:
+        refs += index.take_unblanked()
     if not refs:
         return
     by_segment: dict[tuple[int, int], list[int]] = {}
@@ -367,7 +385,12 @@ async def reclaim(tier: NVMeTier) -> None:
     outcomes = await asyncio.gather(
         *(
             tier._run_meta(
-                _files.blank_rows, tier._row_io, tier._segments[seg], tier._specs[seg[0]], rows
+                _files.blank_rows,
+                tier._row_io,
+                tier._segments[seg],
+                tier._specs[seg[0]],
+                rows,
+                punch,
             )
             for seg, rows in by_segment.items()
         ),
@@ -379,7 +402,8 @@ async def reclaim(tier: NVMeTier) -> None:
         if isinstance(outcome, BaseException):
             log.warning("cannot blank stale rows of segment g%d/%d: %s", g, seg, outcome)
             tier._counts["reclaim_failures"] += 1
-    tier._index.reclaimed(refs)
+        rows = [RowRef(g, seg, row) for row in by_segment[(g, seg)]]
+        index.reclaimed(rows, punched=outcome is True)
 
 
 async def read_batch(

@@ -370,12 +370,19 @@ def _punch_hole(handle: Any, file_offset: int, nbytes: int) -> bool:
     raise OSError(err, f"fallocate(PUNCH_HOLE) failed: {os.strerror(err)}")
 
 
-def blank_rows(row_io: RowIO, handle: Any, spec: GroupSpec, rows: Sequence[int]) -> None:
+def blank_rows(
+    row_io: RowIO, handle: Any, spec: GroupSpec, rows: Sequence[int], punch: bool = True
+) -> bool:
     """Make ``rows`` free on disk: a restart finds no key there.
 
-    Each row is deallocated with ``fallocate(PUNCH_HOLE)`` (its disk blocks
-    are released and it reads back as zeros); where the filesystem or backend
-    does not support that, its trailer is overwritten with zeros.
+    With ``punch``, each row is deallocated with ``fallocate(PUNCH_HOLE)``
+    (its disk blocks are released and it reads back as zeros). Without it,
+    or where the filesystem or backend does not support that, its trailer
+    (4 KiB, one aligned write) is overwritten with zeros and the row keeps
+    its blocks, so that its next write is an overwrite of written blocks.
+
+    Returns:
+        Whether every row was punched (its disk blocks released).
 
     Raises:
         OSError, StorageError: a request failed or was short (the rows before
@@ -383,13 +390,16 @@ def blank_rows(row_io: RowIO, handle: Any, spec: GroupSpec, rows: Sequence[int])
 
     """
     zeros: memoryview | None = None
+    punched = True
     for row in rows:
-        if _punch_hole(handle, spec.row_offset(row), spec.row_nbytes):
+        if punch and _punch_hole(handle, spec.row_offset(row), spec.row_nbytes):
             continue
+        punched = False
         zeros = zeros or memoryview(_aligned(TRAILER_NBYTES))
         file_offset = spec.row_offset(row) + spec.payload_region
         if row_io.pwritev(handle, [zeros], file_offset) != TRAILER_NBYTES:
             raise StorageError("short_write", f"short trailer write at {file_offset}")
+    return punched
 
 
 def seal_run(spec: GroupSpec, jobs: Sequence[WriteJob]) -> BaseException | None:

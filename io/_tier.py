@@ -80,14 +80,19 @@ class NVMeTier:
         capacity_bytes: bound on the bytes of rows in use (visible keys and
             writes in flight), all groups together. When a write needs room,
             the least recently used keys of any group are evicted; their rows
-            become free rows of their own group, deallocated with a punched
-            hole where the filesystem supports it. Disk blocks then exceed
-            it by at most one growth step per group (plus headers); the
-            files' apparent sizes also keep the holes. Where holes cannot be
-            punched, freed rows keep their blocks for their own group, and a
-            workload that moves to other groups can take the disk past that
-            bound (a write never waits for room that only another group's
-            free rows hold).
+            become free rows of their own group and keep their disk blocks,
+            so that the group's next writes overwrite them in place (an
+            overwrite of written blocks is much faster than a write into new
+            ones on ext4). A close blanks the trailers of evicted rows no
+            write took. Disk blocks exceed ``capacity_bytes`` by at most one
+            growth step per group (plus headers, and the rows written
+            between two reclaims): past that, freed rows are deallocated
+            with a punched hole where the filesystem supports it, the groups
+            with the most free rows first; the files' apparent sizes keep
+            the holes. Where holes cannot be punched, freed rows keep their
+            blocks for their own group, and a workload that moves to other
+            groups can take the disk past that bound (a write never waits
+            for room that only another group's free rows hold).
         layout_description: ``KVLayout.describe()`` (JSON-able).
         blocks_per_chunk: GPU blocks per chunk (bounds stored ranges).
         group_nbytes: group id -> unpadded payload bytes of one chunk.
@@ -427,7 +432,7 @@ class NVMeTier:
         try:
             while self._tasks:
                 await asyncio.wait(list(self._tasks))
-            await _batches.reclaim(self)
+            await _batches.reclaim(self, final=True)
             if self._dirty:
                 await self._sync_once()
         finally:

@@ -7,6 +7,10 @@ Commands:
                          visible key, print {"g:hash": [start, stop, sha256]}
     zygote ROOT          for every "go ITER" line on stdin: fork a writer child,
                          print its pid, reap it, print "reaped"
+    evict ROOT CLOSE     fill a tier of EVICT_CAPACITY with EVICT_ORDER, whose
+                         last key evicts the first (a key of another group),
+                         flush; close the tier if CLOSE is "1", else exit
+                         without closing (a crash after the flush)
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from kvtier.io import NVMeTier
 from .conftest import GROUP_NBYTES, key, payload, tier_kwargs
 
 KILL_CAPACITY = 48 * 5 * 4096  # small: writers evict and reuse rows
+EVICT_CAPACITY = 4 * 20480 + 2 * 16384  # four rows of group 0 and two of group 2
+EVICT_ORDER = [(0, 0), (10, 2), (11, 2), (1, 0), (2, 0), (3, 0), (12, 2)]  # (i, group)
 
 
 async def _hold(root: str) -> None:
@@ -100,6 +106,24 @@ async def _write_forever(root: str, iteration: int) -> None:
     await asyncio.sleep(3600)  # wait for the kill with the lock released
 
 
+async def _evict(root: str, close: bool) -> None:
+    tier = NVMeTier(**tier_kwargs(root, capacity_bytes=EVICT_CAPACITY, grow_ahead=False))
+    await tier.open()
+    mm = mmap.mmap(-1, 8 * 4096)
+    slot = memoryview(mm)
+    for i, g in EVICT_ORDER:  # one call each: sequence numbers (the LRU) follow the order
+        k = key(i, g)
+        slot[: GROUP_NBYTES[g]] = payload(k, GROUP_NBYTES[g])
+        assert await tier.write_rows([(k, 0, 4, slot)]) == [None]
+    await tier.flush()
+    stats = {"evictions": tier.stats()["evictions"], "unblanked": tier._index.unblanked_rows}
+    print(json.dumps(stats), flush=True)
+    if close:
+        await tier.close()
+    else:
+        os._exit(0)  # no close: evicted rows stay unblanked
+
+
 def _zygote(root: str) -> None:
     for line in sys.stdin:
         iteration = int(line.split()[1])
@@ -124,6 +148,8 @@ def main() -> None:
         asyncio.run(_dump(root, sys.argv[3]))
     elif cmd == "zygote":
         _zygote(root)
+    elif cmd == "evict":
+        asyncio.run(_evict(root, sys.argv[3] == "1"))
     else:
         raise SystemExit(f"unknown command {cmd}")
 

@@ -77,10 +77,26 @@ class IndexMachine(RuleBasedStateMachine):
     def take_stale(self) -> None:
         self.reclaiming += self.index.take_stale()
 
+    @rule(nbytes=st.none() | st.integers(-4096, 6 * 4096))
+    def take_unblanked(self, nbytes: int | None) -> None:  # a close, or over the disk budget
+        before = self.index.unblanked_rows
+        unblanked = self.index.take_unblanked(nbytes)
+        assert not set(unblanked) & {r for g in ROWS for r in self.index._free[g]}
+        taken = sum(ROWS[r.group_id] for r in unblanked)
+        if nbytes is None:
+            assert len(unblanked) == before
+        elif taken < nbytes:
+            assert len(unblanked) == before  # every such row, and still short
+        elif unblanked:  # enough bytes, and not one row more than needed
+            assert taken - ROWS[unblanked[-1].group_id] < nbytes
+        else:
+            assert nbytes <= 0
+        self.reclaiming += unblanked
+
     @precondition(lambda self: self.reclaiming)
-    @rule()
-    def reclaimed(self) -> None:
-        self.index.reclaimed(self.reclaiming)
+    @rule(punched=st.booleans())
+    def reclaimed(self, punched: bool) -> None:
+        self.index.reclaimed(self.reclaiming, punched)
         self.reclaiming = []
 
     @rule(k=st.sampled_from(KEYS))
@@ -122,6 +138,10 @@ class IndexMachine(RuleBasedStateMachine):
         held = Counter(free + visible + reserved + zombies + stale)
         assert held == all_rows
         assert not set(self.pinned) & set(free + stale)
+        assert self.index._unblanked <= set(free)  # an unblanked row is free, never in use
+        assert self.index._holed <= set(free)  # a punched row is free until a write takes it
+        holed = sum(ROWS[r.group_id] for r in self.index._holed)
+        assert self.index.held_nbytes == self.index.allocated_nbytes - holed
         assert set(zombies) <= set(self.pinned)
         used = sum(ROWS[r.group_id] for r in visible + reserved + zombies)
         assert self.index.bytes_used == used
@@ -197,7 +217,13 @@ def test_reserve_evicts_across_groups_and_hands_back_own_row() -> None:
     assert ok
     assert own == RowRef(1, 0, 0)  # b's row, reserved for the writer
     assert index.lru_keys() == [c0]
-    assert index.take_stale() == [RowRef(0, 0, 0)]  # a's row: blanked, then free for group 0
+    # a's row: free for group 0 at once, its trailer left for group 0's next write to overwrite
+    assert index.take_stale() == []
+    assert index.unblanked_rows == 1
+    assert index.take_free(0) == RowRef(0, 0, 0)
+    assert index.unblanked_rows == 0  # taken: nothing left to blank at close
+    index.commit_growth(index.plan_growth(0))  # (the row goes back: a test of eviction only)
+    index.reclaimed([RowRef(0, 0, 0)])
     d1 = OffloadKey(b"d", 1)
     assert index.finish_write(d1, own, index.begin_write(d1), 0, 1)
     assert index.bytes_used == 3 * 4096

@@ -1,0 +1,176 @@
+"""Rows freed by LRU eviction are overwritten in place, not punched and rewritten.
+
+Within its disk budget the tier leaves an evicted row's blocks and trailer
+alone: its group's next write overwrites it (on ext4 an overwrite of written
+blocks runs at about 1.7x a write into punched or fresh blocks; README
+"Steady state"). A clean close blanks the rows no write took, so an evicted
+key never comes back after it; a crash may bring one back, with its own
+bytes. Past the budget (the workload moved to other groups), freed rows are
+punched as before, so disk blocks stay within ``capacity_bytes`` plus one
+growth step per group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+from typing import Any
+
+from kvtier.io import NVMeTier
+
+from ._child import EVICT_CAPACITY, EVICT_ORDER
+from .conftest import GROUP_NBYTES, key, payload, tier_kwargs
+from .faults import CountingRowIO
+from .test_tier_process import _child
+
+TRAILER = 4096
+
+
+def _disk(directory: pathlib.Path) -> dict[str, tuple[int, int]]:
+    """Segment file -> (apparent size, bytes of disk blocks)."""
+    return {
+        str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_blocks * 512)
+        for p in sorted(directory.rglob("*.kvrows"))
+    }
+
+
+def _assert_no_hole_and_no_growth(before: dict, after: dict) -> None:
+    assert after.keys() == before.keys()
+    for name, (size, blocks) in after.items():
+        assert size == before[name][0], name  # no growth
+        # no hole punched (a row is 8-20 KiB; ext4 may free a 4 KiB block of its extent tree)
+        assert blocks >= before[name][1] - 4096, name
+
+
+def _row(g: int) -> int:
+    """Bytes of one row of group ``g``: payload padded to 4 KiB, plus the trailer."""
+    return -(-GROUP_NBYTES[g] // 4096) * 4096 + TRAILER
+
+
+def _counting(holder: list[CountingRowIO]) -> Any:
+    return lambda inner: holder.append(CountingRowIO(inner)) or holder[-1]
+
+
+async def test_evicted_rows_are_overwritten_in_place_without_blanking(tmp_path, slots) -> None:
+    holder: list[CountingRowIO] = []
+    row0, row2 = _row(0), _row(2)
+    tier = NVMeTier(
+        **tier_kwargs(
+            tmp_path, capacity_bytes=4 * row0 + 4 * row2, row_io_wrapper=_counting(holder)
+        )
+    )
+    await tier.open()
+    buf = slots(8)
+
+    async def write(keys: list) -> None:
+        for i, k in enumerate(keys):  # one call each: the LRU follows this order
+            data = payload(k, GROUP_NBYTES[k.group_id])
+            assert await tier.write_rows([(k, 0, 4, buf.fill(i, data))]) == [None]
+        await tier.flush()
+
+    first = [key(i, i % 2 * 2) for i in range(8)]  # groups 0 and 2 alternate
+    await write(first)
+    before = _disk(tier.directory)
+    io = holder[0]
+    io.reset()
+    # group 2 first: every write evicts a key of the other group, whose row stays as it is
+    second = [key(100 + i, (i + 1) % 2 * 2) for i in range(8)]
+    await write(second)
+    assert tier.stats()["evictions"] == 8
+    assert set(tier.keys()) == set(second)
+    _assert_no_hole_and_no_growth(before, _disk(tier.directory))
+    assert all(n > TRAILER for _, n in io.pwritev_calls)  # rows only, no blanked trailer
+    out = slots(8)
+    got = await tier.read_rows([(k, out[i]) for i, k in enumerate(second)])
+    assert got == [(0, 4)] * 8
+    for i, k in enumerate(second):
+        assert bytes(out[i][: GROUP_NBYTES[k.group_id]]) == payload(k, GROUP_NBYTES[k.group_id])
+    await tier.close()
+
+
+async def test_close_blanks_evicted_rows_no_write_took_and_keeps_their_blocks(
+    tmp_path, slots
+) -> None:
+    holder: list[CountingRowIO] = []
+    kw = tier_kwargs(
+        tmp_path,
+        capacity_bytes=EVICT_CAPACITY,
+        row_io_wrapper=_counting(holder),
+        grow_ahead=False,
+    )
+    tier = NVMeTier(**kw)
+    await tier.open()
+    buf = slots(1)
+    keys = [key(i, g) for i, g in EVICT_ORDER]
+    for k in keys:  # the last key, of group 2, evicts the first, of group 0
+        assert await tier.write_rows(
+            [(k, 0, 4, buf.fill(0, payload(k, GROUP_NBYTES[k.group_id])))]
+        ) == [None]
+    assert tier.stats()["evictions"] == 1
+    assert not tier._index.over_budget
+    assert tier._index.unblanked_rows == 1  # the group 0 row: nothing was written to blank it
+    blocks = _disk(tier.directory)
+    holder[0].reset()
+    await tier.close()
+    assert [n for _, n in holder[0].pwritev_calls] == [TRAILER]  # its zeroed trailer, no more
+    _assert_no_hole_and_no_growth(blocks, _disk(tier.directory))  # the row keeps its blocks
+    again = NVMeTier(**tier_kwargs(tmp_path, capacity_bytes=64 << 20))  # room for every key
+    await again.open()
+    assert set(again.keys()) == set(keys[1:])  # the evicted key stays gone
+    assert again.stats()["invalid_rows_at_open"] == 0
+    await again.close()
+
+
+def _reopen_and_read(root: pathlib.Path) -> dict[str, Any]:
+    proc = _child("dump", str(root), json.dumps({"capacity_bytes": 64 << 20}))
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    return json.loads(out)
+
+
+def test_after_a_crash_an_evicted_key_may_come_back_with_its_own_bytes(tmp_path) -> None:
+    keys = [key(i, g) for i, g in EVICT_ORDER]
+    names = {f"{k.group_id}:{k.block_hash.decode()}": k for k in keys}
+    for close in (False, True):
+        root = tmp_path / f"close{int(close)}"
+        proc = _child("evict", str(root), "1" if close else "0")
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out
+        assert json.loads(out) == {"evictions": 1, "unblanked": 1}
+        found = _reopen_and_read(root)
+        for name, value in found.items():
+            k = names[name]  # nothing but the keys written
+            nbytes = GROUP_NBYTES[k.group_id]
+            assert value == [0, 4, hashlib.sha256(payload(k, nbytes)).hexdigest()], name
+        evicted = f"0:{keys[0].block_hash.decode()}"
+        # a crash left the evicted row unblanked: its key is back, bitwise; a close blanked it
+        assert set(found) == set(names) - ({evicted} if close else set())
+
+
+async def test_workload_moving_between_groups_punches_freed_rows_within_the_budget(
+    tmp_path, slots
+) -> None:
+    row0 = _row(0)
+    capacity = 8 * row0
+    tier = NVMeTier(**tier_kwargs(tmp_path, capacity_bytes=capacity))
+    await tier.open()
+    budget = tier._index.disk_budget_nbytes
+    buf = slots(4)
+    n = 0
+    for rnd in range(4):  # fill the capacity with group 0, then group 2, then back
+        g = 0 if rnd % 2 == 0 else 2
+        for _ in range(4):
+            rows = []
+            for i in range(4):
+                k = key(n, g)
+                n += 1
+                rows.append((k, 0, 4, buf.fill(i, payload(k, GROUP_NBYTES[g]))))
+            assert await tier.write_rows(rows) == [None] * 4
+            await tier.flush()
+        assert tier.stats()["bytes_used"] <= capacity
+        on_disk = sum(blocks - TRAILER for _, blocks in _disk(tier.directory).values())
+        assert on_disk <= budget + row0, (rnd, on_disk, budget)
+    await tier.close()
+    on_disk = sum(blocks - TRAILER for _, blocks in _disk(tier.directory).values())
+    assert on_disk <= budget, (on_disk, budget)
