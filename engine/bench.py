@@ -19,6 +19,12 @@ Phases (each reported in GB/s with p50/p99 per-batch latency):
   that checksums its data; hashing reads every byte once more, and on this
   2-vCPU VM that memory traffic slows the virtual disk) and (b) one file per
   chunk written to a temporary name and renamed (what most peers do).
+* ``nvme_write_full``: the same leg on a full tier, where every row written
+  evicts one (most often of another group): the tier, sized to the data set,
+  is filled with every chunk, then the same blocks under new keys, in another
+  order, are written and made durable; vs a raw overwrite of the raw baseline's
+  file in place (same requests, ``fdatasync``): blocks already written, as the
+  evicted rows' are.
 * ``nvme_write_e2e``: store -> write-through -> ``flush`` of every chunk, timed
   end to end vs the same raw write. It includes the device -> CPU copies,
   which on a CPU-only host run on the same cores as the I/O threads (on a
@@ -220,7 +226,7 @@ def preflight(cfg: BenchConfig) -> tuple[ModelShape, int]:
     return shape, num_blocks
 
 
-_NVME_STEPS_PER_REPEAT = 9
+_NVME_STEPS_PER_REPEAT = 11
 """``progress`` calls of one repeat of :func:`_nvme_phases`."""
 
 
@@ -464,6 +470,16 @@ class _Baselines:
         h = self.io.open(path, True)
         self.io.allocate(h, self.total)
         self._sequential(h, write=True, checksum=checksum)
+        self.io.fdatasync(h)
+        dt = time.perf_counter() - t0
+        self.io.close(h)
+        return dt
+
+    def raw_overwrite(self) -> float:
+        """Seconds to write ``raw.bin`` again in place (its blocks are written already)."""
+        h = self.io.open(os.path.join(self.root, "raw.bin"), True)
+        t0 = time.perf_counter()
+        self._sequential(h, write=True)
         self.io.fdatasync(h)
         dt = time.perf_counter() - t0
         self.io.close(h)
@@ -731,7 +747,9 @@ async def _nvme_phases(
         rows = {g: round_up(layout.group_nbytes(g, bpc)) + 4096 for g in layout.group_ids}
         row_bytes = sum(rows[c.key.group_id] for c in chunks)
         write, e2e, read = report["nvme_write"], report["nvme_write_e2e"], report["nvme_read"]
-        write.nbytes = e2e.nbytes = read.nbytes = row_bytes
+        full = report["nvme_write_full"]
+        write.nbytes = e2e.nbytes = read.nbytes = full.nbytes = row_bytes
+        full.baselines = {"raw_overwrite": []}
         e2e.baselines = {"raw_sequential": [], "raw_checksummed": []}
         baselines = _Baselines(cfg, tmp, row_bytes, max(rows.values()), len(chunks))
         info["direct_io"] = baselines.io.direct
@@ -776,6 +794,10 @@ async def _nvme_phases(
                 _check(len(res.skipped) == len(chunks), "bench keys left the CPU tier")
                 assert engine._writer is not None
                 write.batch_seconds.extend(engine._writer.batch_seconds)
+            progress(f"repeat {r + 1}/{cfg.repeat}: raw overwrite")
+            full.baselines["raw_overwrite"].append(await _in_thread(baselines.raw_overwrite))
+            progress(f"repeat {r + 1}/{cfg.repeat}: kvtier CPU -> NVMe, full tier")
+            await _full_tier_write(layout, ecfg, chunks, full, lag, cfg, original, root + "-full")
             progress(f"repeat {r + 1}/{cfg.repeat}: kvtier store + write-through")
             e2e_root = root + "-e2e"
             e2e_cfg = dataclasses.replace(ecfg, nvme=dataclasses.replace(nvme, root=e2e_root))
@@ -849,6 +871,68 @@ async def _nvme_phases(
         shutil.rmtree(tmp, ignore_errors=True)
     info["tmpdir_removed"] = not await loop.run_in_executor(None, os.path.exists, tmp)
     return info
+
+
+async def _full_tier_write(
+    layout: KVLayout,
+    ecfg: kvtier.EngineConfig,
+    chunks: list[kvtier.Chunk],
+    phase: Phase,
+    lag: LagMonitor,
+    cfg: BenchConfig,
+    original: list[int],
+    root: str,
+) -> None:
+    """The CPU -> NVMe leg on a full tier: every row written evicts one (timed), then checked.
+
+    A tier with room for exactly the data set is filled with every chunk (not
+    timed), then the same blocks are stored under new keys, in another order,
+    and written (``store(durable=True)``, timed as ``nvme_write``): each row
+    evicts the least recently used one, most often of another group, as in a
+    serving engine that has run long enough to fill its disk budget. Not
+    timed: a new engine loads the new keys from NVMe and every tensor is
+    compared with the bytes the bench generated.
+    """
+    assert ecfg.nvme is not None
+    row_bytes = phase.nbytes
+    nvme = dataclasses.replace(ecfg.nvme, root=root, capacity_bytes=row_bytes)
+    staged = dataclasses.replace(ecfg, nvme=nvme, write_through=False)
+    rng = random.Random(cfg.seed + 1)
+    fresh = [
+        kvtier.Chunk(kvtier.OffloadKey(b"full/" + c.key.block_hash, c.key.group_id), c.block_ids)
+        for c in rng.sample(chunks, len(chunks))
+    ]
+    async with kvtier.TransferEngine(layout, staged) as engine:
+        for keys in (chunks, fresh):
+            for batch in _batches(keys, cfg.batch_chunks):  # device -> CPU, not timed
+                res = await engine.store(batch)
+                _check(len(res.stored) == len(batch), "bench store rejected keys")
+            if keys is chunks:  # fill the tier, not timed
+                res = await engine.store(chunks, durable=True)
+                _check(len(res.skipped) == len(chunks), "bench keys left the CPU tier")
+        async with lag.watch():
+            t0 = time.perf_counter()
+            res = await engine.store(fresh, durable=True)
+            phase.seconds.append(time.perf_counter() - t0)
+        _check(len(res.skipped) == len(fresh), "bench keys left the CPU tier")
+        assert engine._writer is not None
+        phase.batch_seconds.extend(engine._writer.batch_seconds)
+        st = engine.stats().nvme or {}
+        _check(st.get("write_failures", 0) == 0, f"NVMe write failures: {st}")
+        evictions = st.get("evictions", 0)
+        _check(
+            isinstance(evictions, int) and evictions >= len(fresh),
+            "the full tier evicted too few rows",
+        )
+    _scribble(layout)  # not timed: the new keys load back from NVMe as the bytes stored
+    async with kvtier.TransferEngine(layout, staged) as engine:
+        _check(
+            engine.prefix_hits([c.key for c in fresh]) == len(fresh),
+            "bench rows of the full tier missing on NVMe",
+        )
+        await _copy_pass(engine, _batches(fresh, cfg.batch_chunks), "load", 1, None)
+    _check(_digests(layout) == original, "store -> NVMe (full tier) -> load changed bytes")
+    await asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, root, True)
 
 
 async def _scheduling_overhead(
@@ -934,7 +1018,14 @@ async def _run_phases(
 ) -> dict[str, Any]:
     report = {
         name: Phase(name, 0)
-        for name in ("store", "load", "nvme_write", "nvme_write_e2e", "nvme_read")
+        for name in (
+            "store",
+            "load",
+            "nvme_write",
+            "nvme_write_full",
+            "nvme_write_e2e",
+            "nvme_read",
+        )
     }
     progress("copy phases")
     await _copy_phases(cfg, layout, chunks, report)
@@ -943,7 +1034,8 @@ async def _run_phases(
     if cfg.nvme:
         io_info = await _nvme_phases(cfg, layout, chunks, report, lag, progress)
     else:
-        del report["nvme_write"], report["nvme_write_e2e"], report["nvme_read"]
+        for name in ("nvme_write", "nvme_write_full", "nvme_write_e2e", "nvme_read"):
+            del report[name]
     progress("scheduling overhead")
     overhead = await _scheduling_overhead(cfg, shape, len(chunks))
     bpc = cfg.blocks_per_chunk

@@ -58,7 +58,14 @@ def test_bench_tiny_size_reports_every_phase_and_cleans_up(tmp_path: Path, layou
     assert "nvme_write" in res.stdout
     result = json.loads(out.read_text())
     phases = result["phases"]
-    assert set(phases) == {"store", "load", "nvme_write", "nvme_write_e2e", "nvme_read"}
+    assert set(phases) == {
+        "store",
+        "load",
+        "nvme_write",
+        "nvme_write_full",
+        "nvme_write_e2e",
+        "nvme_read",
+    }
     for p in phases.values():
         assert p["gbps"] > 0
         assert p["p99_ms"] >= p["p50_ms"] > 0, p
@@ -67,6 +74,9 @@ def test_bench_tiny_size_reports_every_phase_and_cleans_up(tmp_path: Path, layou
         assert phases[name]["raw_checksummed_gbps"] > 0
         assert phases[name]["ratio_vs_raw_checksummed"] > 0
     assert "raw_checksummed" in res.stdout
+    assert phases["nvme_write_full"]["ratio_vs_raw_overwrite"] > 0
+    assert phases["nvme_write_full"]["bytes"] == phases["nvme_write"]["bytes"]
+    assert "raw_overwrite" in res.stdout
     for name in ("store", "load"):
         assert phases[name]["pipelined"]["ratio_vs_plain_copy"] > 0
     assert result["config"]["inflight_batches"] == 2

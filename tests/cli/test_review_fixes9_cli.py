@@ -281,6 +281,17 @@ def test_rows_written_corrupt_by_write_through_fail_the_bench(
     assert detected
 
 
+def test_rows_written_corrupt_on_the_full_tier_fail_the_bench(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nvme_write_full's rows (a full tier, every row evicting one) are loaded back and
+    checked too: wrong bytes there fail the run instead of giving a figure."""
+    detected, hits = _bench_with_corrupt_writes(tmp_path, monkeypatch, f"-full{os.sep}")
+    assert hits  # the fault was injected
+    assert detected
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_pipelined_load_that_writes_nothing_fails_the_bench(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

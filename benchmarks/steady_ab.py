@@ -1,0 +1,177 @@
+"""A full NVMe tier: evicted rows overwritten in place (now) vs punched then rewritten (before).
+
+The NVMe tier alone (rows from resident CPU slots, as ``tier_io.py``). A tier
+with room for the data set is filled, then new keys are written: every row
+evicts the least recently used one. Keys draw their group at random, so most
+evictions free a row of another group than the one written, as when the
+group mix of a serving engine's stores shifts. Alternating in every repeat:
+
+- ``kept``: kvtier as it is: an evicted row keeps its blocks and trailer and
+  its group's next write overwrites it in place (a close blanks the rest).
+- ``punched``: kvtier before session 10, restored from outside for this
+  measurement: every evicted row of another group is blanked with a punched
+  hole (``fallocate(PUNCH_HOLE)``) and its next write lands in unallocated
+  blocks.
+- ``raw_overwrite``: a raw sequential overwrite of one written file (same
+  backend, O_DIRECT mode, 4 MiB requests, threads, ``fdatasync``).
+- ``raw_fresh``: the same raw write into a new, freshly allocated file.
+
+    python benchmarks/steady_ab.py               # 1 GiB, 6 groups of 772 KiB rows, 3 repeats
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import hashlib
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import uvloop
+
+import kvtier
+import kvtier.io._files as files
+from kvtier._slots import HostRegion
+from kvtier.io import NVMeTier, select_backend
+from kvtier.io._index import RowIndex
+
+
+@contextlib.contextmanager
+def punching() -> Iterator[None]:
+    """The policy before: an evicted row goes stale and is punched before reuse."""
+    release, blank = RowIndex._release, files.blank_rows
+
+    def stale(self: RowIndex, ref, evicted: bool = False) -> None:
+        release(self, ref)
+
+    RowIndex._release = stale  # type: ignore[method-assign]
+    files.blank_rows = lambda io, h, spec, rows, punch=True: blank(io, h, spec, rows, True)
+    try:
+        yield
+    finally:
+        RowIndex._release = release  # type: ignore[method-assign]
+        files.blank_rows = blank
+
+
+def raw(io, path: str, view: memoryview, total: int, req: int, threads: int, fresh: bool) -> float:
+    if fresh and os.path.exists(path):
+        os.unlink(path)
+    t0 = time.perf_counter()
+    h = io.open(path, True)
+    if fresh:
+        io.allocate(h, total)
+
+    def one(i: int) -> None:
+        n = min(req, total - i * req)
+        assert io.pwritev(h, [view[i * req : i * req + n]], i * req) == n
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, range(-(-total // req))))
+    io.fdatasync(h)
+    dt = time.perf_counter() - t0
+    io.close(h)
+    return dt
+
+
+async def full_tier(root: str, args: argparse.Namespace, region: HostRegion, seed: int) -> float:
+    """Fill a tier, then time writing as many new keys (each evicts one); seconds."""
+    slot = args.row_payload + 4096
+    nrows = args.size // slot
+    tier = NVMeTier(
+        root=root, namespace="steady", capacity_bytes=nrows * slot,
+        layout_description={"bench": "steady_ab"}, blocks_per_chunk=16,
+        group_nbytes=dict.fromkeys(range(args.groups), args.row_payload),
+        io_threads=args.threads, request_nbytes=args.request,
+    )  # fmt: skip
+    await tier.open()
+    rng = random.Random(seed)
+
+    async def write(tag: str) -> None:
+        keys = [
+            kvtier.OffloadKey(
+                hashlib.sha256(f"{tag}{i}".encode()).digest(), rng.randrange(args.groups)
+            )
+            for i in range(nrows)
+        ]
+        sem = asyncio.Semaphore(2)
+
+        async def one(first: int) -> None:
+            async with sem:
+                idx = range(first, min(nrows, first + 32))
+                res = await tier.write_rows([(keys[i], 0, 16, region.buffer(i, slot)) for i in idx])
+                assert all(r is None for r in res), res
+
+        await asyncio.gather(*(one(b) for b in range(0, nrows, 32)))
+        await tier.flush()
+
+    await write("fill")
+    t0 = time.perf_counter()
+    await write("next")
+    dt = time.perf_counter() - t0
+    assert tier.stats()["evictions"] == nrows
+    await tier.close()
+    return dt
+
+
+async def main(args: argparse.Namespace) -> None:
+    slot = args.row_payload + 4096
+    total = args.size // slot * slot
+    tmp = tempfile.mkdtemp(prefix="kvtier-steady-ab-", dir=args.dir)
+    try:
+        io = select_backend("auto", "auto", tmp)
+        region = HostRegion(total, pin=False)
+        np.frombuffer(region.buffer(0, total), dtype=np.uint8)[:] = np.random.default_rng(
+            0
+        ).integers(0, 256, total, dtype=np.uint8)  # not zeros: a virtual disk may skip those
+        view = region.buffer(0, total)
+        loop = asyncio.get_running_loop()
+        path = os.path.join(tmp, "raw.bin")
+        res: dict[str, list[float]] = {
+            "raw_fresh": [],
+            "raw_overwrite": [],
+            "kept": [],
+            "punched": [],
+        }
+        for r in range(args.repeat):
+            for fresh in (True, False):
+                dt = await loop.run_in_executor(
+                    None, raw, io, path, view, total, args.request, args.threads, fresh
+                )
+                res["raw_fresh" if fresh else "raw_overwrite"].append(dt)
+            for name in ("kept", "punched") if r % 2 == 0 else ("punched", "kept"):
+                root = os.path.join(tmp, name)
+                with punching() if name == "punched" else contextlib.nullcontext():
+                    res[name].append(await full_tier(root, args, region, r))
+                shutil.rmtree(root)
+            print(r, {k: round(total / v[-1] / 1e9, 2) for k, v in res.items()}, flush=True)
+        view.release()
+        region.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    gbps = {k: total / statistics.median(v) / 1e9 for k, v in res.items()}
+    print(
+        f"{total / 1e9:.2f} GB, median of {args.repeat}: "
+        + ", ".join(f"{k} {v:.2f} GB/s" for k, v in gbps.items())
+        + f"; kept/punched {gbps['kept'] / gbps['punched']:.2f}x, "
+        f"kept/raw_overwrite {gbps['kept'] / gbps['raw_overwrite']:.2f}x"
+    )
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", type=int, default=1 << 30, help="bytes")
+    p.add_argument("--groups", type=int, default=6)
+    p.add_argument("--row-payload", type=int, default=786432, help="bytes (gemma-3-270m)")
+    p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--request", type=int, default=4 << 20, help="bytes")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--dir", default=None)
+    uvloop.run(main(p.parse_args()))
