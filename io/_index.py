@@ -33,7 +33,7 @@ A row evicted by LRU while the tier is within its disk budget skips the stale
 state: it becomes free at once, *unblanked* (its trailer still names the
 evicted key, with that key's own bytes). Its group's next write overwrites it
 in place, which on ext4 runs at the speed of an overwrite of written blocks
-(about 1.7x a write into blocks that were punched or freshly allocated,
+(1.7-1.9x a write into blocks that were punched or freshly allocated,
 measured on the development machine; README "Steady state"). Rows still
 unblanked when the tier closes, or once it has allocated past its disk budget,
 are handed out by :meth:`RowIndex.take_unblanked` and blanked like stale rows;

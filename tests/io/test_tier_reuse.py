@@ -2,7 +2,7 @@
 
 Within its disk budget the tier leaves an evicted row's blocks and trailer
 alone: its group's next write overwrites it (on ext4 an overwrite of written
-blocks runs at about 1.7x a write into punched or fresh blocks; README
+blocks runs at 1.7-1.9x a write into punched or fresh blocks; README
 "Steady state"). A clean close blanks the rows no write took, so an evicted
 key never comes back after it; a crash may bring one back, with its own
 bytes. Past the budget (the workload moved to other groups), freed rows are
