@@ -22,9 +22,10 @@ Phases (each reported in GB/s with p50/p99 per-batch latency):
 * ``nvme_write_full``: the same leg on a full tier, where every row written
   evicts one (most often of another group): the tier, sized to the data set,
   is filled with every chunk, then the same blocks under new keys, in another
-  order, are written and made durable; vs a raw overwrite of the raw baseline's
-  file in place (same requests, ``fdatasync``): blocks already written, as the
-  evicted rows' are.
+  order, are written and made durable; vs ``raw_rewrite``, the raw baseline's
+  file written again in place (same requests, ``fdatasync``): blocks already
+  written, as the evicted rows' are; and ``raw_rewrite_xxh3``, the same with
+  every request hashed first (as ``raw_checksummed``).
 * ``nvme_write_e2e``: store -> write-through -> ``flush`` of every chunk, timed
   end to end vs the same raw write. It includes the device -> CPU copies,
   which on a CPU-only host run on the same cores as the I/O threads (on a
@@ -226,7 +227,7 @@ def preflight(cfg: BenchConfig) -> tuple[ModelShape, int]:
     return shape, num_blocks
 
 
-_NVME_STEPS_PER_REPEAT = 11
+_NVME_STEPS_PER_REPEAT = 12
 """``progress`` calls of one repeat of :func:`_nvme_phases`."""
 
 
@@ -475,11 +476,14 @@ class _Baselines:
         self.io.close(h)
         return dt
 
-    def raw_overwrite(self) -> float:
-        """Seconds to write ``raw.bin`` again in place (its blocks are written already)."""
+    def raw_rewrite(self, checksum: bool = False) -> float:
+        """Seconds to write ``raw.bin`` again in place (its blocks are written already).
+
+        ``checksum``: see :meth:`_sequential`.
+        """
         h = self.io.open(os.path.join(self.root, "raw.bin"), True)
         t0 = time.perf_counter()
-        self._sequential(h, write=True)
+        self._sequential(h, write=True, checksum=checksum)
         self.io.fdatasync(h)
         dt = time.perf_counter() - t0
         self.io.close(h)
@@ -749,7 +753,7 @@ async def _nvme_phases(
         write, e2e, read = report["nvme_write"], report["nvme_write_e2e"], report["nvme_read"]
         full = report["nvme_write_full"]
         write.nbytes = e2e.nbytes = read.nbytes = full.nbytes = row_bytes
-        full.baselines = {"raw_overwrite": []}
+        full.baselines = {"raw_rewrite": [], "raw_rewrite_xxh3": []}
         e2e.baselines = {"raw_sequential": [], "raw_checksummed": []}
         baselines = _Baselines(cfg, tmp, row_bytes, max(rows.values()), len(chunks))
         info["direct_io"] = baselines.io.direct
@@ -794,8 +798,10 @@ async def _nvme_phases(
                 _check(len(res.skipped) == len(chunks), "bench keys left the CPU tier")
                 assert engine._writer is not None
                 write.batch_seconds.extend(engine._writer.batch_seconds)
-            progress(f"repeat {r + 1}/{cfg.repeat}: raw overwrite")
-            full.baselines["raw_overwrite"].append(await _in_thread(baselines.raw_overwrite))
+            progress(f"repeat {r + 1}/{cfg.repeat}: raw rewrite")
+            full.baselines["raw_rewrite"].append(await _in_thread(baselines.raw_rewrite))
+            progress(f"repeat {r + 1}/{cfg.repeat}: raw rewrite, hashed")
+            full.baselines["raw_rewrite_xxh3"].append(await _in_thread(baselines.raw_rewrite, True))
             progress(f"repeat {r + 1}/{cfg.repeat}: kvtier CPU -> NVMe, full tier")
             await _full_tier_write(layout, ecfg, chunks, full, lag, cfg, original, root + "-full")
             progress(f"repeat {r + 1}/{cfg.repeat}: kvtier store + write-through")

@@ -74,9 +74,10 @@ def test_bench_tiny_size_reports_every_phase_and_cleans_up(tmp_path: Path, layou
         assert phases[name]["raw_checksummed_gbps"] > 0
         assert phases[name]["ratio_vs_raw_checksummed"] > 0
     assert "raw_checksummed" in res.stdout
-    assert phases["nvme_write_full"]["ratio_vs_raw_overwrite"] > 0
+    assert phases["nvme_write_full"]["ratio_vs_raw_rewrite"] > 0
+    assert phases["nvme_write_full"]["ratio_vs_raw_rewrite_xxh3"] > 0
     assert phases["nvme_write_full"]["bytes"] == phases["nvme_write"]["bytes"]
-    assert "raw_overwrite" in res.stdout
+    assert "raw_rewrite_xxh3" in res.stdout
     for name in ("store", "load"):
         assert phases[name]["pipelined"]["ratio_vs_plain_copy"] > 0
     assert result["config"]["inflight_batches"] == 2
