@@ -6,12 +6,12 @@ evicts the least recently used one. Keys draw their group at random, so most
 evictions free a row of another group than the one written, as when the
 group mix of a serving engine's stores shifts. Alternating in every repeat:
 
-- ``kept``: kvtier as it is: an evicted row keeps its blocks and trailer and
-  its group's next write overwrites it in place (a close blanks the rest).
+- ``kept``: kvtier as it is: an evicted row of another group is blanked by
+  zeroing its 4 KiB trailer and keeps its blocks; its group's next write
+  overwrites it in place.
 - ``punched``: kvtier before session 10, restored from outside for this
-  measurement: every evicted row of another group is blanked with a punched
-  hole (``fallocate(PUNCH_HOLE)``) and its next write lands in unallocated
-  blocks.
+  measurement: such a row is blanked with a punched hole
+  (``fallocate(PUNCH_HOLE)``) and its next write lands in unallocated blocks.
 - ``raw_overwrite``: a raw sequential overwrite of one written file (same
   backend, O_DIRECT mode, 4 MiB requests, threads, ``fdatasync``).
 - ``raw_fresh``: the same raw write into a new, freshly allocated file.
@@ -41,23 +41,16 @@ import kvtier
 import kvtier.io._files as files
 from kvtier._slots import HostRegion
 from kvtier.io import NVMeTier, select_backend
-from kvtier.io._index import RowIndex
 
 
 @contextlib.contextmanager
 def punching() -> Iterator[None]:
-    """The policy before: an evicted row goes stale and is punched before reuse."""
-    release, blank = RowIndex._release, files.blank_rows
-
-    def stale(self: RowIndex, ref, evicted: bool = False) -> None:
-        release(self, ref)
-
-    RowIndex._release = stale  # type: ignore[method-assign]
+    """The policy before: every row blanked is punched, within the disk budget too."""
+    blank = files.blank_rows
     files.blank_rows = lambda io, h, spec, rows, punch=True: blank(io, h, spec, rows, True)
     try:
         yield
     finally:
-        RowIndex._release = release  # type: ignore[method-assign]
         files.blank_rows = blank
 
 

@@ -98,10 +98,9 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
     """Allocate rows, write them in coalesced runs, publish or free each row.
 
     Stale rows left by earlier calls are blanked first (so this batch can
-    reuse them); rows of other groups evicted for this batch stay as they are
-    (free, to be overwritten by their group's next write) unless the tier
-    is past its disk budget: then they are punched while the batch is
-    written (see :func:`reclaim`). The groups
+    reuse them); rows of other groups evicted for this batch are blanked
+    while the batch is written (see :func:`reclaim`: they keep their disk
+    blocks within the budget). The groups
     of the batch proceed independently: a group whose segment must grow
     first does not hold back the writes of the others. Runs as a tier task
     (shielded from the caller); never raises for I/O errors.
@@ -355,28 +354,25 @@ async def grow(tier: NVMeTier, plan: Growth) -> None:
     )
 
 
-async def reclaim(tier: NVMeTier, final: bool = False) -> None:
+async def reclaim(tier: NVMeTier) -> None:
     """Blank the index's stale rows, then free them.
 
-    Rows left unblanked by eviction are blanked too at a ``final`` reclaim
-    (close) and whenever the tier has allocated past its disk budget. Within
-    the budget a row's trailer is zeroed and the row keeps its disk blocks
-    (its next write is an overwrite of written blocks); past it, rows are
-    deallocated with a punched hole (zeroed trailer where unsupported), so
-    that disk blocks come back within the budget.
+    Within the disk budget a row's 4 KiB trailer is zeroed and the row keeps
+    its disk blocks (its next write is an overwrite of written blocks). Past
+    it, the stale rows and then free rows of the groups with the most free
+    bytes are deallocated with a punched hole (zeroed trailer where
+    unsupported) until the blocks are back within the budget.
 
     A failed blanking is logged and counted (``reclaim_failures``); the row
     is freed anyway (its next write overwrites the trailer; until then a
     restart may find its old key again, with intact bytes). Never raises.
     """
     index = tier._index
-    punch = index.over_budget
     refs = index.take_stale()
-    if punch:  # back within the budget: punch the stale rows, then evicted rows as needed
-        excess = index.held_nbytes - index.disk_budget_nbytes
-        refs += index.take_unblanked(excess - sum(index.row_nbytes(r.group_id) for r in refs))
-    if final:
-        refs += index.take_unblanked()
+    punch = index.over_budget
+    if punch:
+        index.mark_punched(refs)
+        refs += index.take_to_punch(index.held_nbytes - index.disk_budget_nbytes)
     if not refs:
         return
     by_segment: dict[tuple[int, int], list[int]] = {}
@@ -403,7 +399,7 @@ async def reclaim(tier: NVMeTier, final: bool = False) -> None:
             log.warning("cannot blank stale rows of segment g%d/%d: %s", g, seg, outcome)
             tier._counts["reclaim_failures"] += 1
         rows = [RowRef(g, seg, row) for row in by_segment[(g, seg)]]
-        index.reclaimed(rows, punched=outcome is True)
+        index.reclaimed(rows, punched=outcome is True)  # a failed punch: blocks counted
 
 
 async def read_batch(

@@ -10,35 +10,31 @@ reserved, zombie) and never exceeds ``capacity_bytes``. Eviction is one LRU
 over the keys of all groups; an evicted row stays in its group's segment and
 becomes a free row of that group. Segment files grow lazily, ``grow_rows``
 rows at a time, so rows allocated on disk (``allocated_nbytes``) exceed the
-rows in use only by free rows; the free rows whose blocks were punched are
-counted apart (``held_nbytes`` = allocated minus punched).
+rows in use only by free rows.
 
 Every row allocated on disk is in exactly one state:
 
 * free: in its group's free heap; its trailer is blank (never written,
   blanked, or undecodable at open), so a restart cannot find a key in it, or
   it could not be read at open: a later open may find its old key again, with
-  its own bytes and a sequence number below every write since (``SEQ_JUMP``),
-  or it is unblanked (below); a free row may have been punched (no blocks);
+  its own bytes and a sequence number below every write since (``SEQ_JUMP``);
 * reserved: handed to a write in flight (by :meth:`RowIndex.take_free` or,
   as an evicted row of the writer's group, by :meth:`RowIndex.reserve`);
 * visible: holds a key's fully written row (in the LRU);
 * zombie: dropped while a read pins it; becomes stale on the last :meth:`RowIndex.unpin`;
 * stale: holds no visible key but may still hold a valid trailer on disk; the
   tier blanks the trailer (:meth:`RowIndex.take_stale`, then
-  :meth:`RowIndex.reclaimed`) before the row becomes free, so that a dropped,
-  discarded or replaced key does not come back after a restart.
+  :meth:`RowIndex.reclaimed`) before the row becomes free, so that an evicted,
+  dropped, discarded or replaced key does not come back after a restart.
 
-A row evicted by LRU while the tier is within its disk budget skips the stale
-state: it becomes free at once, *unblanked* (its trailer still names the
-evicted key, with that key's own bytes). Its group's next write overwrites it
-in place, which on ext4 runs at the speed of an overwrite of written blocks
-(1.7-1.9x a write into blocks that were punched or freshly allocated,
-measured on the development machine; README "Steady state"). Rows still
-unblanked when the tier closes, or once it has allocated past its disk budget,
-are handed out by :meth:`RowIndex.take_unblanked` and blanked like stale rows;
-so after a clean close an evicted key never comes back, and after a crash it
-may, with its own bytes (as a key whose blanking failed may).
+A row keeps its disk blocks when it is blanked (its 4 KiB trailer is zeroed),
+so that the next write into it overwrites written blocks: on ext4 that runs
+at 1.7-1.9x a write into blocks that were punched or freshly allocated
+(measured on the development machine; README "Steady state"). Only when the
+rows holding blocks exceed the disk budget (:attr:`RowIndex.over_budget`, a
+workload that moved to other groups) are rows punched: stale rows, then free
+rows of the groups with the most free bytes (:meth:`RowIndex.take_to_punch`).
+Punched rows are counted apart (``held_nbytes`` = allocated minus punched).
 """
 
 from __future__ import annotations
@@ -141,8 +137,7 @@ class RowIndex:
         self._next_segment: dict[int, int] = dict.fromkeys(row_nbytes, 0)
         self._free: dict[int, list[RowRef]] = {g: [] for g in row_nbytes}
         self._stale: list[RowRef] = []
-        self._unblanked: set[RowRef] = set()
-        self._holed: set[RowRef] = set()  # free rows whose blocks were punched
+        self._holed: set[RowRef] = set()  # punched rows (free, or being blanked)
         self._holed_nbytes = 0
         self._lru: OrderedDict[OffloadKey, RowEntry] = OrderedDict()
         self._pending: dict[OffloadKey, set[int]] = {}
@@ -295,7 +290,7 @@ class RowIndex:
             if own is None and entry.ref.group_id == group_id:
                 own = entry.ref  # its bytes stay counted: they are the reservation
             else:
-                self._release(entry.ref, evicted=True)
+                self._release(entry.ref)
         if own is None:
             self.bytes_used += row
         return True, own
@@ -310,7 +305,6 @@ class RowIndex:
         if not free:
             return None
         ref = heapq.heappop(free)
-        self._unblanked.discard(ref)  # the write overwrites its trailer
         if ref in self._holed:  # the write allocates its blocks again
             self._holed.discard(ref)
             self._holed_nbytes -= self._row_nbytes[group_id]
@@ -332,20 +326,16 @@ class RowIndex:
         low = len(self._free[group_id]) <= step // 2
         return low and room >= step * self._row_nbytes[group_id]
 
-    def _release(self, ref: RowRef, evicted: bool = False) -> None:
+    def _release(self, ref: RowRef) -> None:
         if ref in self._pins:
             self._zombies.add(ref)
-            return
-        self.bytes_used -= self._row_nbytes[ref.group_id]
-        if evicted and not self.over_budget:
-            heapq.heappush(self._free[ref.group_id], ref)
-            self._unblanked.add(ref)
         else:
+            self.bytes_used -= self._row_nbytes[ref.group_id]
             self._stale.append(ref)
 
     @property
     def held_nbytes(self) -> int:
-        """Row bytes that hold disk blocks: allocated rows but the free rows punched."""
+        """Row bytes that hold disk blocks: allocated rows but the punched ones."""
         return self.allocated_nbytes - self._holed_nbytes
 
     @property
@@ -354,8 +344,8 @@ class RowIndex:
 
         Growth always takes at least one row, so a workload that moves to
         other groups can allocate past the budget while the old groups' free
-        rows keep their blocks. The tier then punches freed rows
-        (:meth:`take_unblanked` with a byte count) until it is back within.
+        rows keep their blocks. The tier then punches rows (stale ones, then
+        :meth:`take_to_punch`) until it is back within.
         """
         return self.held_nbytes > self.disk_budget_nbytes
 
@@ -364,51 +354,57 @@ class RowIndex:
         stale, self._stale = self._stale, []
         return stale
 
-    def take_unblanked(self, nbytes: int | None = None) -> list[RowRef]:
-        """Take free rows that still name an evicted key out of the free rows.
+    def mark_punched(self, refs: Iterable[RowRef]) -> None:
+        """Count rows taken for blanking as punched now, before the I/O.
 
-        The caller blanks their trailers, then gives them back with
-        :meth:`reclaimed`.
-
-        Args:
-            nbytes: take rows until their bytes reach this many, from the
-                groups with the most free bytes first (the groups the
-                workload left); None: take every such row (before a close).
-
+        So that a concurrent reclaim does not punch for the same excess;
+        :meth:`reclaimed` settles it.
         """
-        if nbytes is None:
-            refs = sorted(self._unblanked)
-        else:
-            refs = []
-            free_bytes = {g: len(f) * self._row_nbytes[g] for g, f in self._free.items()}
-            for ref in sorted(self._unblanked, key=lambda r: (-free_bytes[r.group_id], r)):
-                if nbytes <= 0:
-                    break
-                refs.append(ref)
-                nbytes -= self._row_nbytes[ref.group_id]
-        if refs:
-            self._unblanked.difference_update(refs)
-            taken = set(refs)
-            for g in {r.group_id for r in refs}:
-                self._free[g] = [r for r in self._free[g] if r not in taken]
-                heapq.heapify(self._free[g])
+        for ref in refs:
+            if ref not in self._holed:
+                self._holed.add(ref)
+                self._holed_nbytes += self._row_nbytes[ref.group_id]
+
+    def take_to_punch(self, nbytes: int) -> list[RowRef]:
+        """Take free rows that hold blocks, at least ``nbytes`` of them, to be punched.
+
+        From the groups with the most free bytes first (the groups the
+        workload left), their highest rows first (:meth:`take_free` hands out
+        the lowest, which keep their blocks). The rows leave the free rows
+        and count as punched at once; give them back with :meth:`reclaimed`.
+        """
+        refs: list[RowRef] = []
+        if nbytes <= 0:
+            return refs
+        free_bytes = {g: len(f) * self._row_nbytes[g] for g, f in self._free.items()}
+        for g in sorted(free_bytes, key=lambda g: -free_bytes[g]):
+            kept = []
+            for ref in sorted(self._free[g], reverse=True):
+                if nbytes > 0 and ref not in self._holed:
+                    refs.append(ref)
+                    nbytes -= self._row_nbytes[g]
+                else:
+                    kept.append(ref)
+            if len(kept) != len(self._free[g]):
+                kept.reverse()  # ascending: a valid heap
+                self._free[g] = kept
+            if nbytes <= 0:
+                break
+        self.mark_punched(refs)
         return refs
 
-    @property
-    def unblanked_rows(self) -> int:
-        """Free rows whose trailer still names an evicted key."""
-        return len(self._unblanked)
-
     def reclaimed(self, refs: Iterable[RowRef], punched: bool = False) -> None:
-        """Rows from :meth:`take_stale` or :meth:`take_unblanked`, now blank, become free.
+        """Rows from :meth:`take_stale` or :meth:`take_to_punch`, now blank, become free.
 
-        ``punched``: their disk blocks were released (hole punched).
+        ``punched``: their disk blocks were released (else they hold blocks).
         """
         for ref in refs:
             heapq.heappush(self._free[ref.group_id], ref)
-            if punched and ref not in self._holed:
-                self._holed.add(ref)
-                self._holed_nbytes += self._row_nbytes[ref.group_id]
+            if punched:
+                self.mark_punched([ref])
+            elif ref in self._holed:
+                self._holed.discard(ref)
+                self._holed_nbytes -= self._row_nbytes[ref.group_id]
 
     @property
     def stale_rows(self) -> int:

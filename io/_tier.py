@@ -80,16 +80,15 @@ class NVMeTier:
         capacity_bytes: bound on the bytes of rows in use (visible keys and
             writes in flight), all groups together. When a write needs room,
             the least recently used keys of any group are evicted; their rows
-            become free rows of their own group and keep their disk blocks,
-            so that the group's next writes overwrite them in place (an
-            overwrite of written blocks is much faster than a write into new
-            ones on ext4). A close blanks the trailers of evicted rows no
-            write took. Disk blocks exceed ``capacity_bytes`` by at most one
-            growth step per group (plus headers, and the rows written
-            between two reclaims): past that, freed rows are deallocated
-            with a punched hole where the filesystem supports it, the groups
-            with the most free rows first; the files' apparent sizes keep
-            the holes. Where holes cannot be punched, freed rows keep their
+            become free rows of their own group once their trailers are
+            zeroed (one 4 KiB write each), and keep their disk blocks, so
+            that the group's next writes overwrite them in place (on ext4
+            an overwrite of written blocks is much faster than a write into
+            new ones). Disk blocks exceed ``capacity_bytes`` by at most one
+            growth step per group (plus headers): past that, freed rows are
+            deallocated with a punched hole where the filesystem supports
+            it, the groups with the most free rows first; the files'
+            apparent sizes keep the holes. Where holes cannot be punched, freed rows keep their
             blocks for their own group, and a workload that moves to other
             groups can take the disk past that bound (a write never waits
             for room that only another group's free rows hold).
@@ -432,7 +431,7 @@ class NVMeTier:
         try:
             while self._tasks:
                 await asyncio.wait(list(self._tasks))
-            await _batches.reclaim(self, final=True)
+            await _batches.reclaim(self)
             if self._dirty:
                 await self._sync_once()
         finally:

@@ -77,21 +77,20 @@ class IndexMachine(RuleBasedStateMachine):
     def take_stale(self) -> None:
         self.reclaiming += self.index.take_stale()
 
-    @rule(nbytes=st.none() | st.integers(-4096, 6 * 4096))
-    def take_unblanked(self, nbytes: int | None) -> None:  # a close, or over the disk budget
-        before = self.index.unblanked_rows
-        unblanked = self.index.take_unblanked(nbytes)
-        assert not set(unblanked) & {r for g in ROWS for r in self.index._free[g]}
-        taken = sum(ROWS[r.group_id] for r in unblanked)
-        if nbytes is None:
-            assert len(unblanked) == before
-        elif taken < nbytes:
-            assert len(unblanked) == before  # every such row, and still short
-        elif unblanked:  # enough bytes, and not one row more than needed
-            assert taken - ROWS[unblanked[-1].group_id] < nbytes
-        else:
-            assert nbytes <= 0
-        self.reclaiming += unblanked
+    @rule(nbytes=st.integers(-4096, 6 * 4096))
+    def take_to_punch(self, nbytes: int) -> None:  # the tier is over its disk budget
+        held = self.index.held_nbytes
+        free_before = {r for g in ROWS for r in self.index._free[g]}
+        taken = self.index.take_to_punch(nbytes)
+        assert set(taken) <= free_before  # only free rows, never one in use
+        assert not set(taken) & {r for g in ROWS for r in self.index._free[g]}
+        got = sum(ROWS[r.group_id] for r in taken)
+        assert self.index.held_nbytes == held - got  # counted as punched at once
+        if nbytes <= 0:
+            assert taken == []
+        elif got < nbytes:  # every free row holding blocks, and still short
+            assert not free_before - set(taken) - self.index._holed
+        self.reclaiming += taken
 
     @precondition(lambda self: self.reclaiming)
     @rule(punched=st.booleans())
@@ -138,8 +137,8 @@ class IndexMachine(RuleBasedStateMachine):
         held = Counter(free + visible + reserved + zombies + stale)
         assert held == all_rows
         assert not set(self.pinned) & set(free + stale)
-        assert self.index._unblanked <= set(free)  # an unblanked row is free, never in use
-        assert self.index._holed <= set(free)  # a punched row is free until a write takes it
+        # a punched row is free (or being blanked) until a write takes it
+        assert self.index._holed <= set(free) | set(self.reclaiming)
         holed = sum(ROWS[r.group_id] for r in self.index._holed)
         assert self.index.held_nbytes == self.index.allocated_nbytes - holed
         assert set(zombies) <= set(self.pinned)
@@ -217,13 +216,7 @@ def test_reserve_evicts_across_groups_and_hands_back_own_row() -> None:
     assert ok
     assert own == RowRef(1, 0, 0)  # b's row, reserved for the writer
     assert index.lru_keys() == [c0]
-    # a's row: free for group 0 at once, its trailer left for group 0's next write to overwrite
-    assert index.take_stale() == []
-    assert index.unblanked_rows == 1
-    assert index.take_free(0) == RowRef(0, 0, 0)
-    assert index.unblanked_rows == 0  # taken: nothing left to blank at close
-    index.commit_growth(index.plan_growth(0))  # (the row goes back: a test of eviction only)
-    index.reclaimed([RowRef(0, 0, 0)])
+    assert index.take_stale() == [RowRef(0, 0, 0)]  # a's row: blanked, then free for group 0
     d1 = OffloadKey(b"d", 1)
     assert index.finish_write(d1, own, index.begin_write(d1), 0, 1)
     assert index.bytes_used == 3 * 4096
@@ -253,3 +246,25 @@ def test_growth_steps_stay_within_the_disk_budget() -> None:
     assert (p3.start, p3.stop) == (4, 5)  # over budget: still one row at a time
     index.abandon_growth(p3)
     assert index.allocated_nbytes == 10 * 4096
+
+
+def test_take_to_punch_takes_the_highest_free_rows_of_the_group_with_most_free_bytes() -> None:
+    index = RowIndex({0: 4096, 1: 8192}, 4 * 4096, {0: 8, 1: 8}, {0: 4, 1: 2})
+    for g in (0, 1):
+        index.commit_growth(index.plan_growth(g))  # group 0: 4 rows (16 KiB), 1: 2 (16 KiB)
+    index.commit_growth(index.plan_growth(0))  # group 0: 8 free rows, 32 KiB
+    held = index.held_nbytes
+    taken = index.take_to_punch(3 * 4096 - 1)
+    assert taken == [RowRef(0, 0, 7), RowRef(0, 0, 6), RowRef(0, 0, 5)]
+    assert index.held_nbytes == held - 3 * 4096  # counted before the I/O
+    assert index.take_free(0) == RowRef(0, 0, 0)  # the lowest rows stay, with their blocks
+    index.reclaimed(taken[:2], punched=True)
+    index.reclaimed(taken[2:], punched=False)  # not supported there: it holds its blocks
+    assert index.held_nbytes == held - 2 * 4096
+    assert index.take_to_punch(0) == []
+    # punched rows are not taken again; then the next group's rows
+    more = index.take_to_punch(6 * 4096)
+    assert more == [RowRef(0, 0, r) for r in (5, 4, 3, 2, 1)] + [RowRef(1, 0, 1)]
+    assert index.held_nbytes == held - 7 * 4096 - 8192  # group 0 but row 0, one of group 1
+    assert index.take_free(0) == RowRef(0, 0, 6)  # a punched free row (the rest are taken)
+    assert index.held_nbytes == held - 6 * 4096 - 8192  # the write gives it blocks again

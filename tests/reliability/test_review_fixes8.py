@@ -697,7 +697,7 @@ async def test_bench_steps_match_the_progress_calls_for_other_option_mixes(
     )  # fmt: skip
     steps: list[str] = []
     await run_bench(cfg, progress=steps.append)
-    assert len(steps) == bench_steps(cfg) == 3 + 9 * repeat * nvme
+    assert len(steps) == bench_steps(cfg) == 3 + 12 * repeat * nvme
 
 
 def test_bench_to_a_pipe_prints_no_progress_bar(tmp_path: pathlib.Path) -> None:
