@@ -787,17 +787,7 @@ async def _nvme_phases(
             progress(f"repeat {r + 1}/{cfg.repeat}: kvtier CPU -> NVMe")
             staged = dataclasses.replace(ecfg, write_through=False)
             async with kvtier.TransferEngine(layout, staged) as engine:
-                for batch in _batches(chunks, cfg.batch_chunks):  # device -> CPU, not timed
-                    res = await engine.store(batch)
-                    _check(len(res.stored) == len(batch), "bench store rejected keys")
-                async with lag.watch():
-                    t0 = time.perf_counter()
-                    # Every key is resident and not yet on NVMe: this writes their rows.
-                    res = await engine.store(chunks, durable=True)
-                    write.seconds.append(time.perf_counter() - t0)
-                _check(len(res.skipped) == len(chunks), "bench keys left the CPU tier")
-                assert engine._writer is not None
-                write.batch_seconds.extend(engine._writer.batch_seconds)
+                await _write_leg(engine, chunks, cfg, (write, lag))
             progress(f"repeat {r + 1}/{cfg.repeat}: raw rewrite")
             full.baselines["raw_rewrite"].append(await _in_thread(baselines.raw_rewrite))
             progress(f"repeat {r + 1}/{cfg.repeat}: raw rewrite, hashed")
@@ -879,6 +869,37 @@ async def _nvme_phases(
     return info
 
 
+async def _write_leg(
+    engine: kvtier.TransferEngine,
+    chunks: list[kvtier.Chunk],
+    cfg: BenchConfig,
+    timed: tuple[Phase, LagMonitor] | None = None,
+) -> None:
+    """The CPU -> NVMe leg on an engine with ``write_through=False``.
+
+    Every chunk is stored into the CPU tier (not timed), then
+    ``store(chunks, durable=True)`` writes the rows of these resident keys and
+    syncs them: the same batches, checksums and writes as write-through.
+    ``timed``: the phase that gets the seconds and the per-batch latencies of
+    the write, and the monitor of the event loop's lag during it.
+    """
+    for batch in _batches(chunks, cfg.batch_chunks):  # device -> CPU, not timed
+        res = await engine.store(batch)
+        _check(len(res.stored) == len(batch), "bench store rejected keys")
+    writer = engine._writer
+    assert writer is not None
+    first = len(writer.batch_seconds)
+    async with timed[1].watch() if timed else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        # Every key is resident and not yet on NVMe: this writes their rows.
+        res = await engine.store(chunks, durable=True)
+        seconds = time.perf_counter() - t0
+    _check(len(res.skipped) == len(chunks), "bench keys left the CPU tier")
+    if timed:
+        timed[0].seconds.append(seconds)
+        timed[0].batch_seconds.extend(list(writer.batch_seconds)[first:])
+
+
 async def _full_tier_write(
     layout: KVLayout,
     ecfg: kvtier.EngineConfig,
@@ -893,7 +914,7 @@ async def _full_tier_write(
 
     A tier with room for exactly the data set is filled with every chunk (not
     timed), then the same blocks are stored under new keys, in another order,
-    and written (``store(durable=True)``, timed as ``nvme_write``): each row
+    and written (``store(durable=True)``, timed as in ``nvme_write``): each row
     evicts the least recently used one, most often of another group, as in a
     serving engine that has run long enough to fill its disk budget. Not
     timed: a new engine loads the new keys from NVMe and every tensor is
@@ -909,20 +930,8 @@ async def _full_tier_write(
         for c in rng.sample(chunks, len(chunks))
     ]
     async with kvtier.TransferEngine(layout, staged) as engine:
-        for keys in (chunks, fresh):
-            for batch in _batches(keys, cfg.batch_chunks):  # device -> CPU, not timed
-                res = await engine.store(batch)
-                _check(len(res.stored) == len(batch), "bench store rejected keys")
-            if keys is chunks:  # fill the tier, not timed
-                res = await engine.store(chunks, durable=True)
-                _check(len(res.skipped) == len(chunks), "bench keys left the CPU tier")
-        async with lag.watch():
-            t0 = time.perf_counter()
-            res = await engine.store(fresh, durable=True)
-            phase.seconds.append(time.perf_counter() - t0)
-        _check(len(res.skipped) == len(fresh), "bench keys left the CPU tier")
-        assert engine._writer is not None
-        phase.batch_seconds.extend(engine._writer.batch_seconds)
+        await _write_leg(engine, chunks, cfg)  # fill the tier, not timed
+        await _write_leg(engine, fresh, cfg, (phase, lag))
         st = engine.stats().nvme or {}
         _check(st.get("write_failures", 0) == 0, f"NVMe write failures: {st}")
         evictions = st.get("evictions", 0)
