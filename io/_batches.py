@@ -459,6 +459,7 @@ async def scan(tier: NVMeTier) -> None:
     assert tier._row_io is not None
     found: dict[tuple[int, int], tuple[int, int]] = {}
     rows: list[tuple[RowRef, OffloadKey, int, int, int]] = []
+    holes: list[RowRef] = []
     blind = False  # some trailer (or a whole segment) could not be read, or was invalid
     for g, spec in tier._specs.items():
         group_dir = tier.directory / f"g{g}"
@@ -482,7 +483,8 @@ async def scan(tier: NVMeTier) -> None:
                 continue
             found[(g, n)] = (scan.num_rows, scan.allocated_rows)
             rows.extend(scan.rows)
+            holes.extend(RowRef(g, n, i) for i in scan.holes)
             # any invalid row may be a misread one whose trailer is intact on disk
             blind = blind or scan.invalid_rows > 0
             tier._counts["invalid_rows_at_open"] += scan.invalid_rows
-    tier._index.rebuild(found, rows, blind=blind)
+    tier._index.rebuild(found, rows, blind=blind, holes=holes)

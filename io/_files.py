@@ -17,6 +17,7 @@ import os
 import pathlib
 import re
 import stat
+import struct
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -95,6 +96,8 @@ class ScanResult:
     rows: list[tuple[RowRef, OffloadKey, int, int, int]] = field(default_factory=list)
     invalid_rows: int = 0
     error: str = ""
+    holes: list[int] = field(default_factory=list)
+    """Allocated rows that hold no disk block (punched), where the filesystem tells."""
 
 
 def prepare_directory(root: pathlib.Path, directory: pathlib.Path, format_json: str) -> int:
@@ -262,6 +265,9 @@ def scan_segment(row_io: RowIO, path: pathlib.Path, spec: GroupSpec, number: int
         result = ScanResult(handle, header.num_rows, allocated)
         if allocated < header.num_rows and spec.row_offset(allocated) < size:
             result.invalid_rows += 1  # a row cut by a truncation (or a torn growth)
+        extents = allocated_extents(handle, size)
+        if extents is not None:
+            result.holes = _rows_without_blocks(spec, allocated, extents)
         view = memoryview(buf)
         for i in range(allocated):
             file_offset = spec.row_offset(i) + spec.payload_region
@@ -340,6 +346,67 @@ def grow_segment(row_io: RowIO, handle: Any, nbytes: int) -> None:
 
     """
     row_io.allocate(handle, nbytes)
+
+
+_FS_IOC_FIEMAP = 0xC020660B  # _IOWR('f', 11, struct fiemap), linux/fs.h
+_FIEMAP_EXTENT_LAST = 0x1
+_FIEMAP_HEADER = "=QQIIII"  # fm_start, fm_length, fm_flags, fm_mapped_extents, fm_extent_count
+_FIEMAP_EXTENT = "=QQQQQIIII"  # fe_logical, fe_physical, fe_length, 2 reserved, fe_flags, 3 res.
+
+
+def allocated_extents(handle: Any, nbytes: int) -> list[tuple[int, int]] | None:
+    """Byte ranges ``[start, stop)`` of a file's first ``nbytes`` that hold disk blocks.
+
+    Written and unwritten (``fallocate``-d) extents both hold blocks; holes
+    punched with ``fallocate(PUNCH_HOLE)`` do not. Uses the ``FS_IOC_FIEMAP``
+    ioctl (``Documentation/filesystems/fiemap.rst``), which ext4, xfs and
+    btrfs support.
+
+    Returns:
+        The ranges in file order, or None where the handle has no file
+        descriptor or the filesystem does not answer (tmpfs, for one).
+
+    """
+    fd = handle if isinstance(handle, int) else getattr(handle, "fd", None)
+    if not isinstance(fd, int):
+        return None
+    count = 256
+    head, ext = struct.calcsize(_FIEMAP_HEADER), struct.calcsize(_FIEMAP_EXTENT)
+    out: list[tuple[int, int]] = []
+    start = 0
+    while start < nbytes:
+        buf = bytearray(head + count * ext)
+        struct.pack_into(_FIEMAP_HEADER, buf, 0, start, nbytes - start, 0, 0, count, 0)
+        try:
+            fcntl.ioctl(fd, _FS_IOC_FIEMAP, buf)
+        except OSError:
+            return None
+        mapped = struct.unpack_from(_FIEMAP_HEADER, buf, 0)[3]
+        last = False
+        for i in range(mapped):
+            logical, _, length, _, _, flags, *_ = struct.unpack_from(
+                _FIEMAP_EXTENT, buf, head + i * ext
+            )
+            out.append((logical, logical + length))
+            last = bool(flags & _FIEMAP_EXTENT_LAST)
+        if last or mapped < count:
+            break
+        start = out[-1][1]
+    return out
+
+
+def _rows_without_blocks(spec: GroupSpec, rows: int, extents: list[tuple[int, int]]) -> list[int]:
+    """Rows ``0..rows-1`` of a segment that no extent touches (punched holes)."""
+    holes = []
+    j = 0
+    for i in range(rows):
+        lo = spec.row_offset(i)
+        hi = lo + spec.row_nbytes
+        while j < len(extents) and extents[j][1] <= lo:
+            j += 1
+        if j == len(extents) or extents[j][0] >= hi:
+            holes.append(i)
+    return holes
 
 
 _FALLOC_FL_KEEP_SIZE = 0x01

@@ -162,6 +162,7 @@ class RowIndex:
         rows: Iterable[tuple[RowRef, OffloadKey, int, int, int]],
         *,
         blind: bool = False,
+        holes: Iterable[RowRef] = (),
     ) -> None:
         """Set the state found on disk at open (call once, on an empty index).
 
@@ -178,6 +179,10 @@ class RowIndex:
                 the highest one read, so a row that a later open reads again
                 (a key of an earlier session, with its own bytes) never
                 outranks a write of this session.
+            holes: allocated rows found without disk blocks (punched in an
+                earlier session); the free ones count as punched, so that
+                ``held_nbytes`` starts as the blocks the files hold (without
+                it every allocated row counts as holding blocks).
 
         """
         best: dict[OffloadKey, RowEntry] = {}
@@ -201,6 +206,7 @@ class RowIndex:
             )
             heapq.heapify(self._free[g])
         self._stale.extend(losers)
+        self.mark_punched(ref for ref in holes if ref not in taken)
         if blind:
             self._seq += SEQ_JUMP
         for key, entry in sorted(best.items(), key=lambda kv: kv[1].seq):

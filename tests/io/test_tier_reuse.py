@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pathlib
 from typing import Any
+
+import pytest
 
 from kvtier.io import NVMeTier
 
@@ -175,3 +178,26 @@ async def test_workload_moving_between_groups_punches_freed_rows_within_the_budg
     await tier.close()
     on_disk = sum(blocks - TRAILER for _, blocks in _disk(tier.directory).values())
     assert on_disk <= budget, (on_disk, budget)
+
+
+def test_allocated_extents_tell_punched_rows_from_rows_that_hold_blocks(tmp_path) -> None:
+    from kvtier.io._files import _punch_hole, allocated_extents
+
+    row = 64 << 10
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.posix_fallocate(fd, 0, 8 * row)  # unwritten extents hold blocks too
+        os.pwrite(fd, b"x" * row, 2 * row)  # one written row among them
+        assert _punch_hole(fd, 3 * row, row)
+        assert _punch_hole(fd, 6 * row, 2 * row)
+        extents = allocated_extents(fd, 8 * row)
+        if extents is None:
+            pytest.skip("this filesystem does not answer FIEMAP")
+        covered = [any(lo < (i + 1) * row and hi > i * row for lo, hi in extents) for i in range(8)]
+        assert covered == [True, True, True, False, True, True, False, False]
+        first = allocated_extents(fd, 2 * row)  # only what maps the first two rows
+        assert first
+        assert all(lo < 2 * row for lo, _ in first)
+    finally:
+        os.close(fd)
+    assert allocated_extents(object(), row) is None  # no file descriptor: not known

@@ -246,37 +246,22 @@ async def test_bug_reopen_counts_punched_rows_as_held_and_punches_rows_evicted_w
     Session 1 fills group 0, then group 2 (group 0's rows are punched, as
     designed). At reopen the tier is within its budget on disk, as in the
     control test above: the row evicted for a group-1 write keeps its blocks
-    (v2's first reclaim re-punches group 0's free rows, holes already, and
-    brings ``held_nbytes`` back within the budget). The cause, rebuild not
-    knowing holes, remains: see the next test.
+    (the index now learns at open which rows are holes: see the next test).
     """
     before, after = await _evict_after_reopen(tmp_path, slots(1), history=True)
     assert after == before, "a row evicted within the budget was punched"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG (v2, minor, speed): RowIndex.rebuild still counts every allocated row as held "
-        "(_holed starts empty, io/_index.py:140 and :198), so after a restart that follows a "
-        "workload shift over_budget is True although the files hold fewer blocks than "
-        "disk_budget_nbytes; the first reclaim (io/_batches.py:372-375) then punches "
-        "allocated - budget bytes of free rows picked by RowIndex.take_to_punch by free bytes "
-        "per group (io/_index.py:379-383), not by holes: here 6 group-2 rows that kept their "
-        "blocks (96 KiB) are punched instead of the group-0 rows that are holes already, and "
-        "their next writes go to punched blocks"
-    ),
-)
-async def test_bug_reopen_punches_free_rows_that_hold_blocks_instead_of_holes(
-    tmp_path, slots
-) -> None:
-    """Session 1 punches group 0's rows (past the budget), keeps group 2's blanked rows.
+async def test_reopen_punches_holes_not_free_rows_that_hold_blocks(tmp_path, slots) -> None:
+    """Fixed bug: RowIndex.rebuild counted every allocated row as holding blocks, so
+    after a restart that followed a workload shift the first reclaim punched free rows
+    that held blocks (the group with most free bytes) instead of counting the holes.
 
     Five group-0 keys, then ten group-2 keys (group 0's rows are punched, as
     designed); the group-2 keys are discarded and blanked within the budget
     (their rows keep their blocks: group 2 then has the most free bytes). At
-    reopen the files hold fewer blocks than the budget, yet one group-1
-    write punches group-2 rows.
+    reopen the files hold fewer blocks than the budget (the scan maps the
+    holes with FIEMAP), so one group-1 write punches nothing.
     """
     buf = slots(1)
     kw = tier_kwargs(tmp_path, capacity_bytes=8 * ROW[0])
