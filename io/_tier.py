@@ -88,10 +88,11 @@ class NVMeTier:
             growth step per group (plus headers): past that, freed rows are
             deallocated with a punched hole where the filesystem supports
             it, the groups with the most free rows first; the files'
-            apparent sizes keep the holes. Where holes cannot be punched, freed rows keep their
-            blocks for their own group, and a workload that moves to other
-            groups can take the disk past that bound (a write never waits
-            for room that only another group's free rows hold).
+            apparent sizes keep the holes. Where holes cannot be punched,
+            freed rows keep their blocks for their own group, and a workload
+            that moves to other groups can take the disk past that bound (a
+            write never waits for room that only another group's free rows
+            hold).
         layout_description: ``KVLayout.describe()`` (JSON-able).
         blocks_per_chunk: GPU blocks per chunk (bounds stored ranges).
         group_nbytes: group id -> unpadded payload bytes of one chunk.
