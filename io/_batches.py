@@ -360,8 +360,9 @@ async def reclaim(tier: NVMeTier) -> None:
     Within the disk budget a row's 4 KiB trailer is zeroed and the row keeps
     its disk blocks (its next write is an overwrite of written blocks). Past
     it, the stale rows and then free rows of the groups with the most free
-    bytes are deallocated with a punched hole (zeroed trailer where
-    unsupported) until the blocks are back within the budget.
+    bytes are deallocated with a punched hole until the blocks are back
+    within the budget; where that is not supported (the first try falls back
+    to zeroed trailers), free rows are left alone from then on.
 
     A failed blanking is logged and counted (``reclaim_failures``); the row
     is freed anyway (its next write overwrites the trailer; until then a
@@ -369,7 +370,9 @@ async def reclaim(tier: NVMeTier) -> None:
     """
     index = tier._index
     refs = index.take_stale()
-    punch = index.over_budget
+    # Where holes cannot be punched, free rows stay as they are: blanking them
+    # again would not bring the blocks back within the budget.
+    punch = index.over_budget and tier._can_punch
     if punch:
         index.mark_punched(refs)
         refs += index.take_to_punch(index.held_nbytes - index.disk_budget_nbytes)
@@ -400,6 +403,8 @@ async def reclaim(tier: NVMeTier) -> None:
             tier._counts["reclaim_failures"] += 1
         rows = [RowRef(g, seg, row) for row in by_segment[(g, seg)]]
         index.reclaimed(rows, punched=outcome is True)  # a failed punch: blocks counted
+        if punch and outcome is False:  # unsupported: the trailers were zeroed instead
+            tier._can_punch = False
 
 
 async def read_batch(

@@ -198,6 +198,7 @@ class NVMeTier:
         self._options = (io_backend, direct_io, io_threads, row_io_wrapper)
         self._grow_ahead = bool(grow_ahead)
         self._ahead_paused: set[int] = set()  # groups whose last growth ahead failed
+        self._can_punch = True  # False once fallocate(PUNCH_HOLE) was not supported here
         self._state = "new"
         self._row_io: RowIO | None = None
         self._aio: SubmittingRowIO | None = None  # row requests are queued through it

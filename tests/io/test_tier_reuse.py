@@ -201,3 +201,36 @@ def test_allocated_extents_tell_punched_rows_from_rows_that_hold_blocks(tmp_path
     finally:
         os.close(fd)
     assert allocated_extents(object(), row) is None  # no file descriptor: not known
+
+
+async def test_where_holes_cannot_be_punched_free_rows_are_not_blanked_again(
+    tmp_path, slots, monkeypatch
+) -> None:
+    """Review finding: past the budget on a filesystem without PUNCH_HOLE, every reclaim
+    took the same free rows and zeroed their (blank) trailers again, forever."""
+    import kvtier.io._files as files
+
+    monkeypatch.setattr(files, "_fallocate", False)  # as where fallocate is missing
+    holder: list[CountingRowIO] = []
+    tier = NVMeTier(
+        **tier_kwargs(tmp_path, capacity_bytes=8 * _row(0), row_io_wrapper=_counting(holder))
+    )
+    await tier.open()
+    buf = slots(4)
+    n = 0
+    for g in (0, 2, 2, 2, 2, 2, 2):  # fill with group 0, then the workload moves to group 2
+        rows = []
+        for i in range(4):
+            k = key(n, g)
+            n += 1
+            rows.append((k, 0, 4, buf.fill(i, payload(k, GROUP_NBYTES[g]))))
+        holder[0].reset()
+        assert await tier.write_rows(rows) == [None] * 4
+        await tier.drain()
+        trailers = [c for c in holder[0].pwritev_calls if c[1] == TRAILER and c[0] > 0]
+        # at most one zeroed trailer per row freed by this call (it evicts one row per write)
+        assert len(trailers) <= 4, (g, len(trailers))
+        assert len({off for off, _ in trailers}) == len(trailers)
+    assert tier._index.over_budget  # past the budget: the blocks stay (nothing to punch)
+    assert tier.stats()["bytes_used"] <= 8 * _row(0)
+    await tier.close()
