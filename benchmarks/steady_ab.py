@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import contextlib
 import hashlib
 import os
@@ -36,6 +35,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import uvloop
+from tier_io import raw  # benchmarks/ is the script's folder
 
 import kvtier
 import kvtier.io._files as files
@@ -52,26 +52,6 @@ def punching() -> Iterator[None]:
         yield
     finally:
         files.blank_rows = blank
-
-
-def raw(io, path: str, view: memoryview, total: int, req: int, threads: int, fresh: bool) -> float:
-    if fresh and os.path.exists(path):
-        os.unlink(path)
-    t0 = time.perf_counter()
-    h = io.open(path, True)
-    if fresh:
-        io.allocate(h, total)
-
-    def one(i: int) -> None:
-        n = min(req, total - i * req)
-        assert io.pwritev(h, [view[i * req : i * req + n]], i * req) == n
-
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        list(pool.map(one, range(-(-total // req))))
-    io.fdatasync(h)
-    dt = time.perf_counter() - t0
-    io.close(h)
-    return dt
 
 
 async def full_tier(root: str, args: argparse.Namespace, region: HostRegion, seed: int) -> float:
@@ -124,7 +104,6 @@ async def main(args: argparse.Namespace) -> None:
         np.frombuffer(region.buffer(0, total), dtype=np.uint8)[:] = np.random.default_rng(
             0
         ).integers(0, 256, total, dtype=np.uint8)  # not zeros: a virtual disk may skip those
-        view = region.buffer(0, total)
         loop = asyncio.get_running_loop()
         path = os.path.join(tmp, "raw.bin")
         res: dict[str, list[float]] = {
@@ -136,7 +115,7 @@ async def main(args: argparse.Namespace) -> None:
         for r in range(args.repeat):
             for fresh in (True, False):
                 dt = await loop.run_in_executor(
-                    None, raw, io, path, view, total, args.request, args.threads, fresh
+                    None, raw, io, path, region, total, args.request, args.threads, True, fresh
                 )
                 res["raw_fresh" if fresh else "raw_overwrite"].append(dt)
             for name in ("kept", "punched") if r % 2 == 0 else ("punched", "kept"):
@@ -145,7 +124,6 @@ async def main(args: argparse.Namespace) -> None:
                     res[name].append(await full_tier(root, args, region, r))
                 shutil.rmtree(root)
             print(r, {k: round(total / v[-1] / 1e9, 2) for k, v in res.items()}, flush=True)
-        view.release()
         region.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

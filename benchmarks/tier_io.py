@@ -30,14 +30,22 @@ from kvtier._slots import HostRegion
 from kvtier.io import NVMeTier, select_backend
 
 
-def raw(io, path: str, buf: HostRegion, total: int, req: int, threads: int, write: bool) -> float:
-    """Sequential I/O of ``total`` bytes to one file in ``req`` requests, ``threads`` in flight."""
+def raw(
+    io, path: str, buf: HostRegion, total: int, req: int, threads: int, write: bool,
+    fresh: bool = True,
+) -> float:  # fmt: skip
+    """Sequential I/O of ``total`` bytes to one file in ``req`` requests, ``threads`` in flight.
+
+    A write goes to a new, allocated file; with ``fresh=False`` it rewrites the
+    existing one in place (blocks already written).
+    """
     view = buf.buffer(0, buf.nbytes)
-    if write and os.path.exists(path):
+    fresh = write and fresh
+    if fresh and os.path.exists(path):
         os.unlink(path)
     t0 = time.perf_counter()
     h = io.open(path, write)
-    if write:
+    if fresh:
         io.allocate(h, total)
 
     def one(i: int) -> None:
