@@ -1,17 +1,21 @@
-"""A full NVMe tier: evicted rows overwritten in place (now) vs punched then rewritten (before).
+"""A full NVMe tier: how an evicted row is freed and reused, in three policies.
 
 The NVMe tier alone (rows from resident CPU slots, as ``tier_io.py``). A tier
 with room for the data set is filled, then new keys are written: every row
-evicts the least recently used one. Keys draw their group at random, so most
+evicts one. Keys draw their group at random, so under strict LRU most
 evictions free a row of another group than the one written, as when the
 group mix of a serving engine's stores shifts. Alternating in every repeat:
 
-- ``kept``: kvtier as it is: an evicted row of another group is blanked by
-  zeroing its 4 KiB trailer and keeps its blocks; its group's next write
-  overwrites it in place.
+- ``window``: kvtier as it is (``eviction_window=32``): a write evicts the
+  least recently used key of its own group when it is among the 32 least
+  recently used keys, and overwrites that row in place; otherwise as
+  ``strict``.
+- ``strict``: strict LRU (``eviction_window=1``, session 10): an evicted row
+  of another group is blanked by zeroing its 4 KiB trailer and keeps its
+  blocks; its group's next write overwrites it in place.
 - ``punched``: kvtier before session 10, restored from outside for this
-  measurement: such a row is blanked with a punched hole
-  (``fallocate(PUNCH_HOLE)``) and its next write lands in unallocated blocks.
+  measurement: strict LRU, and such a row is blanked with a punched hole
+  (``fallocate(PUNCH_HOLE)``), so its next write lands in unallocated blocks.
 - ``raw_overwrite``: a raw sequential overwrite of one written file (same
   backend, O_DIRECT mode, 4 MiB requests, threads, ``fdatasync``).
 - ``raw_fresh``: the same raw write into a new, freshly allocated file.
@@ -54,7 +58,9 @@ def punching() -> Iterator[None]:
         files.blank_rows = blank
 
 
-async def full_tier(root: str, args: argparse.Namespace, region: HostRegion, seed: int) -> float:
+async def full_tier(
+    root: str, args: argparse.Namespace, region: HostRegion, seed: int, window: int
+) -> float:
     """Fill a tier, then time writing as many new keys (each evicts one); seconds."""
     slot = args.row_payload + 4096
     nrows = args.size // slot
@@ -62,7 +68,7 @@ async def full_tier(root: str, args: argparse.Namespace, region: HostRegion, see
         root=root, namespace="steady", capacity_bytes=nrows * slot,
         layout_description={"bench": "steady_ab"}, blocks_per_chunk=16,
         group_nbytes=dict.fromkeys(range(args.groups), args.row_payload),
-        io_threads=args.threads, request_nbytes=args.request,
+        io_threads=args.threads, request_nbytes=args.request, eviction_window=window,
     )  # fmt: skip
     await tier.open()
     rng = random.Random(seed)
@@ -109,7 +115,8 @@ async def main(args: argparse.Namespace) -> None:
         res: dict[str, list[float]] = {
             "raw_fresh": [],
             "raw_overwrite": [],
-            "kept": [],
+            "window": [],
+            "strict": [],
             "punched": [],
         }
         for r in range(args.repeat):
@@ -118,10 +125,12 @@ async def main(args: argparse.Namespace) -> None:
                     None, raw, io, path, region, total, args.request, args.threads, True, fresh
                 )
                 res["raw_fresh" if fresh else "raw_overwrite"].append(dt)
-            for name in ("kept", "punched") if r % 2 == 0 else ("punched", "kept"):
+            names = ["window", "strict", "punched"]
+            for name in names[r % 3 :] + names[: r % 3]:
                 root = os.path.join(tmp, name)
                 with punching() if name == "punched" else contextlib.nullcontext():
-                    res[name].append(await full_tier(root, args, region, r))
+                    window = 32 if name == "window" else 1
+                    res[name].append(await full_tier(root, args, region, r, window))
                 shutil.rmtree(root)
             print(r, {k: round(total / v[-1] / 1e9, 2) for k, v in res.items()}, flush=True)
         region.close()
@@ -131,8 +140,9 @@ async def main(args: argparse.Namespace) -> None:
     print(
         f"{total / 1e9:.2f} GB, median of {args.repeat}: "
         + ", ".join(f"{k} {v:.2f} GB/s" for k, v in gbps.items())
-        + f"; kept/punched {gbps['kept'] / gbps['punched']:.2f}x, "
-        f"kept/raw_overwrite {gbps['kept'] / gbps['raw_overwrite']:.2f}x"
+        + f"; window/strict {gbps['window'] / gbps['strict']:.2f}x, "
+        f"strict/punched {gbps['strict'] / gbps['punched']:.2f}x, "
+        f"window/raw_overwrite {gbps['window'] / gbps['raw_overwrite']:.2f}x"
     )
 
 

@@ -42,6 +42,14 @@ class NVMeConfig:
         grow_ahead: allocate a group's next rows (and its first segment file
             at open) in the background before writes need them; False: only
             when a write needs a row (see :class:`kvtier.io.NVMeTier`).
+        eviction_window: when the tier is full, a write evicts the least
+            recently used key of its own group instead of the least recently
+            used key if it is among the ``eviction_window`` least recently
+            used keys (and among the oldest 1/32 of them); the writer then
+            overwrites that row in place, where a row of another group needs
+            a 4 KiB trailer write to blank it first. ``1``: strict LRU.
+            Default 32 (``kvtier bench`` full tier: see the README, "Steady
+            state").
 
     Raises:
         ConfigError: a value is out of range.
@@ -58,9 +66,11 @@ class NVMeConfig:
     request_nbytes: int = 4 << 20
     row_io_wrapper: Callable[[RowIO], RowIO] | None = None
     grow_ahead: bool = True
+    eviction_window: int = 32
 
     def __post_init__(self) -> None:
         _positive_int("NVMeConfig.capacity_bytes", self.capacity_bytes)
+        _positive_int("NVMeConfig.eviction_window", self.eviction_window)
         if not isinstance(self.grow_ahead, bool):
             raise ConfigError(f"NVMeConfig.grow_ahead must be a bool, got {self.grow_ahead!r}")
         _positive_int("NVMeConfig.io_threads", self.io_threads)

@@ -77,6 +77,7 @@ async def open_tier(engine: TransferEngine) -> NVMeTier:
         request_nbytes=cfg.request_nbytes,
         row_io_wrapper=cfg.row_io_wrapper,
         grow_ahead=cfg.grow_ahead,
+        eviction_window=cfg.eviction_window,
     )
     try:
         await tier.open()

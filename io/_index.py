@@ -7,8 +7,13 @@ file I/O outside it.
 Capacity is counted in rows, not files: ``bytes_used`` is the sum of
 ``row_nbytes`` over the rows that hold or are about to hold data (visible,
 reserved, zombie) and never exceeds ``capacity_bytes``. Eviction is one LRU
-over the keys of all groups; an evicted row stays in its group's segment and
-becomes a free row of that group. Segment files grow lazily, ``grow_rows``
+over the keys of all groups, with one refinement (:meth:`RowIndex.reserve`):
+a write that needs one row of room evicts the least recently used key of its
+own group instead of the least recently used key when that key is among the
+oldest few (``eviction_window``, at most 1/32 of the keys), because the
+writer then overwrites the evicted row in place and nothing needs blanking.
+Any other evicted row stays in its group's segment and becomes a free row of
+that group. Segment files grow lazily, ``grow_rows``
 rows at a time, so rows allocated on disk (``allocated_nbytes``) exceed the
 rows in use only by free rows.
 
@@ -102,6 +107,13 @@ class RowIndex:
         capacity_bytes: bound on ``bytes_used`` (rows in use, all groups).
         rows_per_segment: most rows of one segment file per group id.
         grow_rows: rows added per growth step per group id (``>= 1``).
+        eviction_window: how far down the LRU :meth:`reserve` may look for a
+            key of the writer's own group (``>= 1``; 1 is strict LRU). The
+            window is also at most the number of keys divided by
+            ``window_share``, so it never reaches past the oldest
+            ``1/window_share`` of them (a tier of fewer than
+            ``2 * window_share`` keys evicts in strict LRU order).
+        window_share: see ``eviction_window`` (``>= 1``).
 
     Attributes:
         bytes_used: row bytes of visible, reserved and zombie rows plus the
@@ -122,7 +134,15 @@ class RowIndex:
         capacity_bytes: int,
         rows_per_segment: Mapping[int, int],
         grow_rows: Mapping[int, int],
+        eviction_window: int = 1,
+        window_share: int = 32,
     ) -> None:
+        if eviction_window < 1 or window_share < 1:
+            raise ValueError(
+                f"eviction_window and window_share must be >= 1: {eviction_window}, {window_share}"
+            )
+        self.eviction_window = eviction_window
+        self._window_share = window_share
         self._row_nbytes = dict(row_nbytes)
         self._rows_per_segment = dict(rows_per_segment)
         self._grow_rows = {g: max(1, min(grow_rows[g], rows_per_segment[g])) for g in row_nbytes}
@@ -262,7 +282,16 @@ class RowIndex:
 
         Evicts the least recently used unpinned keys not in ``protect``, of
         all groups, until the row fits; evicts nothing when even evicting
-        every such key would not make room.
+        every such key would not make room. One exception: when one row of
+        ``group_id`` is enough room, the least recently used evictable key of
+        ``group_id`` is evicted instead if it is among the first ``window``
+        evictable keys, ``window = min(eviction_window, len(self) //
+        window_share)``; its row is handed to the writer, who overwrites it
+        in place, where another group's row would have to be blanked (a
+        4 KiB write) before it is free. The victim is still among the oldest
+        ``1/window_share`` of the keys. (Approximate LRU in the manner of
+        Redis' sampled eviction, https://redis.io/docs/latest/develop/reference/eviction/,
+        with the sample taken from the LRU end.)
 
         Returns:
             ``(False, None)``: no room (the row is larger than the capacity, or
@@ -277,6 +306,8 @@ class RowIndex:
         if row > self.capacity_bytes:
             return False, None
         need = self.bytes_used + row - self.capacity_bytes
+        if 0 < need <= row and (ref := self._own_victim(group_id, protect)) is not None:
+            return True, ref
         victims: list[OffloadKey] = []
         if need > 0:
             freed = 0
@@ -300,6 +331,24 @@ class RowIndex:
         if own is None:
             self.bytes_used += row
         return True, own
+
+    def _own_victim(self, group_id: int, protect: Container[OffloadKey]) -> RowRef | None:
+        """Evict the LRU key of ``group_id`` if it is within the window; its row, or None."""
+        window = min(self.eviction_window, len(self._lru) // self._window_share)
+        if window <= 1:  # strict LRU (the loop in reserve hands back an own first victim)
+            return None
+        seen = 0
+        for key, entry in self._lru.items():
+            if key in protect or entry.ref in self._pins:
+                continue
+            if key.group_id == group_id:
+                del self._lru[key]
+                self.evictions += 1
+                return entry.ref  # its bytes stay counted: they are the reservation
+            seen += 1
+            if seen >= window:
+                return None
+        return None
 
     def unreserve(self, group_id: int) -> None:
         """Give back a reservation of :meth:`reserve` that got no row."""

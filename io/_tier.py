@@ -117,6 +117,12 @@ class NVMeTier:
             logged, and that group grows only on demand again until an
             on-demand growth succeeds. False: rows are added only when a
             write needs one.
+        eviction_window: a full tier evicts the least recently used key of
+            the writer's group instead of the least recently used key when it
+            is among this many least recently used keys, and among the oldest
+            1/32 of them (its row is then overwritten in place, with no
+            blanking write); ``1``: strict LRU. See
+            :meth:`~kvtier.io._index.RowIndex.reserve`.
 
     Raises:
         ConfigError: an argument is out of range (no state is created).
@@ -142,6 +148,7 @@ class NVMeTier:
         request_nbytes: int = 4 << 20,
         row_io_wrapper: Callable[[RowIO], RowIO] | None = None,
         grow_ahead: bool = True,
+        eviction_window: int = 32,
     ) -> None:
         if not group_nbytes or any(int(n) <= 0 or int(g) < 0 for g, n in group_nbytes.items()):
             raise ConfigError(f"group_nbytes must map group ids to sizes > 0: {group_nbytes!r}")
@@ -151,6 +158,7 @@ class NVMeTier:
             ("io_threads", io_threads, 1),
             ("segment_nbytes", segment_nbytes, 2 * ALIGN),
             ("request_nbytes", request_nbytes, ALIGN),
+            ("eviction_window", eviction_window, 1),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"NVMeTier {name} must be an int >= {low}, got {value!r}")
@@ -194,7 +202,9 @@ class NVMeTier:
             segment_nbytes - HEADER_NBYTES, GROW_NBYTES, capacity_bytes // (4 * len(self._specs))
         )
         grow_rows = {g: max(1, step_nbytes // r) for g, r in self._row_nbytes.items()}
-        self._index = RowIndex(self._row_nbytes, capacity_bytes, rows_per_segment, grow_rows)
+        self._index = RowIndex(
+            self._row_nbytes, capacity_bytes, rows_per_segment, grow_rows, eviction_window
+        )
         self._options = (io_backend, direct_io, io_threads, row_io_wrapper)
         self._grow_ahead = bool(grow_ahead)
         self._ahead_paused: set[int] = set()  # groups whose last growth ahead failed

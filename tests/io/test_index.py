@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -16,6 +16,9 @@ KEYS = [OffloadKey(bytes([i + 1]), i % 3) for i in range(9)]
 
 
 class IndexMachine(RuleBasedStateMachine):
+    EVICTION_WINDOW = 1  # strict LRU
+    WINDOW_SHARE = 32
+
     def __init__(self) -> None:
         super().__init__()
         self.index = RowIndex(
@@ -23,6 +26,8 @@ class IndexMachine(RuleBasedStateMachine):
             capacity_bytes=6 * 4096,
             rows_per_segment={0: 3, 1: 2, 2: 3},
             grow_rows={0: 2, 1: 1, 2: 1},
+            eviction_window=self.EVICTION_WINDOW,
+            window_share=self.WINDOW_SHARE,
         )
         self.reserved: list[tuple[OffloadKey, RowRef, int]] = []
         self.reclaiming: list[RowRef] = []
@@ -39,10 +44,19 @@ class IndexMachine(RuleBasedStateMachine):
             if key != k and self.index.lookup(key).ref not in pins
         ]
         before = set(self.index.lru_keys())
+        rows = {key: self.index.lookup(key).ref for key in evictable}
+        need = self.index.bytes_used + ROWS[g] - self.index.capacity_bytes
+        window = min(self.EVICTION_WINDOW, len(before) // self.WINDOW_SHARE)
+        own = [key for key in evictable[:window] if key.group_id == g]
         ok, ref = self.index.reserve(g, {k})
         evicted = [key for key in evictable if key not in set(self.index.lru_keys())]
         assert before - set(self.index.lru_keys()) == set(evicted)
-        assert evicted == evictable[: len(evicted)]  # global LRU: oldest first, any group
+        if 0 < need <= ROWS[g] and window > 1 and own:
+            # the oldest key of the writer's group within the window; its row is handed over
+            assert evicted == own[:1]
+            assert ref == rows[own[0]]
+        else:
+            assert evicted == evictable[: len(evicted)]  # global LRU: oldest first, any group
         if not ok:
             assert not evicted
             assert ROWS[g] > self.index.capacity_bytes - self.index.bytes_used + sum(
@@ -72,6 +86,12 @@ class IndexMachine(RuleBasedStateMachine):
                 self.published[k] = seq
         else:
             self.index.fail_write(k, ref, seq)
+
+    @precondition(lambda self: self.reserved)
+    @rule()
+    def complete_all(self) -> None:  # fills the tier faster than one completion at a time
+        while self.reserved:
+            self.complete(0, True)
 
     @rule()
     def take_stale(self) -> None:
@@ -158,6 +178,17 @@ class IndexMachine(RuleBasedStateMachine):
 
 IndexMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
 TestIndexMachine = IndexMachine.TestCase
+
+
+class WindowIndexMachine(IndexMachine):
+    """The same machine where a write may evict its own group's key out of LRU order."""
+
+    EVICTION_WINDOW = 3
+    WINDOW_SHARE = 1  # so that a handful of keys opens the window
+
+
+WindowIndexMachine.TestCase.settings = IndexMachine.TestCase.settings
+TestWindowIndexMachine = WindowIndexMachine.TestCase
 
 
 def test_rebuild_highest_seq_wins_and_lru_follows_seq() -> None:
@@ -268,3 +299,60 @@ def test_take_to_punch_takes_the_highest_free_rows_of_the_group_with_most_free_b
     assert index.held_nbytes == held - 7 * 4096 - 8192  # group 0 but row 0, one of group 1
     assert index.take_free(0) == RowRef(0, 0, 6)  # a punched free row (the rest are taken)
     assert index.held_nbytes == held - 6 * 4096 - 8192  # the write gives it blocks again
+
+
+def _put(index: RowIndex, key: OffloadKey, protect: set[OffloadKey]) -> RowRef | None:
+    """Reserve, take a row (growing), publish ``key``; the evicted row handed over, if any."""
+    ok, own = index.reserve(key.group_id, protect)
+    assert ok
+    ref = own
+    while ref is None and (ref := index.take_free(key.group_id)) is None:
+        index.commit_growth(index.plan_growth(key.group_id))
+    assert index.finish_write(key, ref, index.begin_write(key), 0, 1)
+    return own
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    groups=st.lists(st.integers(0, 2), min_size=1, max_size=120),
+    touches=st.lists(st.integers(0, 10**6), max_size=40),
+    window=st.integers(1, 6),
+    share=st.integers(1, 4),
+)
+def test_reserve_evicts_own_group_within_the_window_else_strict_lru(
+    groups: list[int], touches: list[int], window: int, share: int
+) -> None:
+    """Against a reference LRU list: which key each write evicts, and which row it gets."""
+    rows = {0: 4096, 1: 4096, 2: 8192}
+    index = RowIndex(rows, 8 * 4096, dict.fromkeys(rows, 64), dict.fromkeys(rows, 4), window, share)
+    model: list[OffloadKey] = []  # least recently used first
+    for i, g in enumerate(groups):
+        if touches and i % 3 == 0 and model:  # a load moves a key to the MRU end
+            k = model.pop(touches[i % len(touches)] % len(model))
+            model.append(k)
+            index.touch(k)
+        key = OffloadKey(i.to_bytes(4, "big"), g)
+        used = sum(rows[k.group_id] for k in model)
+        need = used + rows[g] - index.capacity_bytes
+        w = min(window, len(model) // share)
+        own = [k for k in model[:w] if k.group_id == g] if 0 < need <= rows[g] and w > 1 else []
+        refs = {k: index.lookup(k).ref for k in model}
+        if own:
+            expect = own[:1]
+        else:
+            expect, freed = [], 0
+            while freed < need:
+                expect.append(model[len(expect)])
+                freed += rows[expect[-1].group_id]
+        handed = _put(index, key, set())
+        for k in expect:
+            model.remove(k)
+        model.append(key)
+        assert index.lru_keys() == model
+        own_victims = [k for k in expect if k.group_id == g]
+        assert handed == (refs[own_victims[0]] if own_victims else None)
+        # every other evicted row waits for blanking; the handed-over one needs none
+        stale = index.take_stale()
+        assert sorted(stale) == sorted(refs[k] for k in expect if refs[k] != handed)
+        index.reclaimed(stale)  # blanked: free rows of their groups again
+    assert index.evictions == len(groups) - len(model)

@@ -254,6 +254,8 @@ async def test_root_not_writable(tmp_path) -> None:
         {"direct_io": "maybe"},
         {"request_nbytes": 100},
         {"io_threads": 0},
+        {"eviction_window": 0},
+        {"eviction_window": True},
     ],
 )
 def test_bad_config(tmp_path, over) -> None:

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import pathlib
+import random
 from typing import Any
 
 import pytest
@@ -234,3 +235,80 @@ async def test_where_holes_cannot_be_punched_free_rows_are_not_blanked_again(
     assert tier._index.over_budget  # past the budget: the blocks stay (nothing to punch)
     assert tier.stats()["bytes_used"] <= 8 * _row(0)
     await tier.close()
+
+
+async def _full_tier_blanking(root: pathlib.Path, slots: Any, window: int) -> dict[str, Any]:
+    """Fill a tier with 320 keys of random groups, write 200 more; what happened."""
+    rng = random.Random(7)
+    first = [key(i, rng.randrange(3)) for i in range(320)]
+    second = [key(1000 + i, rng.randrange(3)) for i in range(200)]
+    holder: list[CountingRowIO] = []
+    capacity = sum(_row(k.group_id) for k in first)
+    tier = NVMeTier(
+        **tier_kwargs(
+            root,
+            capacity_bytes=capacity,
+            row_io_wrapper=_counting(holder),
+            eviction_window=window,
+        )
+    )
+    await tier.open()
+    buf = slots(8)
+
+    async def write(keys: list) -> None:
+        # Calls of 8 keys: a call's rows are published group by group, so the
+        # LRU holds runs of about 3 keys of one group, within the window (10)
+        for b in range(0, len(keys), 8):
+            rows = [
+                (k, 0, 4, buf.fill(i, payload(k, GROUP_NBYTES[k.group_id])))
+                for i, k in enumerate(keys[b : b + 8])
+            ]
+            assert await tier.write_rows(rows) == [None] * len(rows)
+        await tier.flush()
+
+    await write(first)
+    lru = tier._index.lru_keys()  # all groups, least recently used first
+    holder[0].reset()
+    await write(second)
+    blanked = sum(n == TRAILER for _, n in holder[0].pwritev_calls)
+    live = list(tier.keys())
+    evictions = tier.stats()["evictions"]
+    await tier.close()
+    again = NVMeTier(**tier_kwargs(root, capacity_bytes=64 << 20))  # room for every key
+    await again.open()
+    reopened = set(again.keys())
+    out = slots(len(reopened))
+    got = await again.read_rows([(k, out[i]) for i, k in enumerate(reopened)])
+    assert got == [(0, 4)] * len(reopened)
+    for i, k in enumerate(reopened):
+        nbytes = GROUP_NBYTES[k.group_id]
+        assert bytes(out[i][:nbytes]) == payload(k, nbytes)
+    await again.close()
+    assert evictions == len(first) + len(second) - len(live)
+    assert reopened == set(live)  # no evicted key came back
+    survivors = [i for i, k in enumerate(lru) if k in reopened]  # of the fill, by age
+    youngest_evicted = max(i for i, k in enumerate(lru) if k not in reopened)
+    return {
+        "blanked": blanked,
+        "evictions": evictions,
+        # keys of the fill that outlived a younger key of the fill
+        "bypassed": sum(i < youngest_evicted for i in survivors),
+    }
+
+
+async def test_a_full_tier_evicts_the_writers_group_within_the_window(tmp_path, slots) -> None:
+    """A full tier evicts the oldest key of the writer's group among the oldest keys.
+
+    Strict LRU (``eviction_window=1``) mostly frees another group's row,
+    which costs a 4 KiB blanking write; the default window of 32 keys (at
+    most 1/32 of them: 10 here) mostly frees a row of the writer's group,
+    which is overwritten in place. Evicted keys stay gone after a restart
+    either way, and every live key reads back its own bytes.
+    """
+    strict = await _full_tier_blanking(tmp_path / "strict", slots, 1)
+    window = await _full_tier_blanking(tmp_path / "window", slots, 32)
+    assert strict["bypassed"] == 0  # strict LRU: the oldest keys went first
+    assert strict["blanked"] > strict["evictions"] // 2  # 2 in 3 free another group's row
+    # a victim had fewer than 10 older keys: so fewer than 10 outlived a younger one
+    assert 0 < window["bypassed"] < 10
+    assert window["blanked"] < strict["blanked"] // 3

@@ -241,6 +241,8 @@ CONSTRUCTION: dict[str, tuple[Callable[[], Any], type[errors.KVTierError]]] = {
         errors.ConfigError,
     ),
     "nvme: io_threads=0": (lambda: _nv(io_threads=0), errors.ConfigError),
+    "nvme: eviction_window=0": (lambda: _nv(eviction_window=0), errors.ConfigError),
+    "nvme: eviction_window=2.5": (lambda: _nv(eviction_window=2.5), errors.ConfigError),
     "nvme: segment_nbytes=True": (lambda: _nv(segment_nbytes=True), errors.ConfigError),
     "nvme: capacity_bytes is a float": (lambda: _nv(capacity_bytes=1e9), errors.ConfigError),
     "key: 65-byte block_hash": (
