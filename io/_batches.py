@@ -114,6 +114,11 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
         reclaim(tier),
     )
     tier._counts["write_seconds"] += time.perf_counter() - t0
+    # Keys are published in the batch's order (the order they were stored in),
+    # not group by group: the LRU then interleaves groups as the stores did, so
+    # that a full tier finds a key of the writer's group among its oldest
+    # (RowIndex.reserve's eviction window) instead of a run of one group.
+    written_rows: list[tuple[WriteJob, tuple[int, int]]] = []
     for run, n, exc, failed_syncs in (outcome for group in written for outcome in group):
         tier._counts["write_requests"] += 1
         row = tier._row_nbytes[run[0].ref.group_id]
@@ -133,8 +138,7 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
             exc.__cause__ = failure
         for k, job in enumerate(run):
             if exc is None and n >= (k + 1) * row:
-                if tier._index.finish_write(job.key, job.ref, job.seq, job.start, job.stop):
-                    tier._unsynced.setdefault(segment, {})[job.ref.row] = job.key
+                written_rows.append((job, segment))
                 tier._counts["write_bytes"] += row
                 continue
             err = (
@@ -145,6 +149,10 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
             tier._index.fail_write(job.key, job.ref, job.seq)
             fail(tier, err.kind)
             results[job.pos] = err
+    written_rows.sort(key=lambda item: item[0].pos)
+    for job, segment in written_rows:
+        if tier._index.finish_write(job.key, job.ref, job.seq, job.start, job.stop):
+            tier._unsynced.setdefault(segment, {})[job.ref.row] = job.key
     return results
 
 

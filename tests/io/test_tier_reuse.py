@@ -312,3 +312,24 @@ async def test_a_full_tier_evicts_the_writers_group_within_the_window(tmp_path, 
     # a victim had fewer than 10 older keys: so fewer than 10 outlived a younger one
     assert 0 < window["bypassed"] < 10
     assert window["blanked"] < strict["blanked"] // 3
+
+
+async def test_a_write_call_publishes_its_keys_in_call_order(tmp_path, slots) -> None:
+    """The LRU follows the order keys were given, not the order of the runs' groups.
+
+    A call's rows are written in runs of one group each; publishing them group
+    by group would leave runs of one group in the LRU, and a full tier would
+    then seldom find a key of the writer's group among its oldest.
+    """
+    tier = NVMeTier(**tier_kwargs(tmp_path))
+    await tier.open()
+    buf = slots(12)
+    keys = [key(i, (0, 2, 1)[i % 3]) for i in range(12)]
+    rows = [
+        (k, 0, 4, buf.fill(i, payload(k, GROUP_NBYTES[k.group_id]))) for i, k in enumerate(keys)
+    ]
+    assert await tier.write_rows(rows) == [None] * 12
+    assert tier._index.lru_keys() == keys
+    assert await tier.write_rows(rows[::-1]) == [None] * 12  # written again: moved to MRU
+    assert tier._index.lru_keys() == keys[::-1]
+    await tier.close()
