@@ -121,8 +121,8 @@ class RowIndex:
         allocated_nbytes: row bytes allocated in segment files (every state),
             growths in progress included.
         disk_budget_nbytes: ``capacity_bytes`` plus one growth step per group;
-            growth shrinks its step to stay within it (but always grows at
-            least one row). Past it (:attr:`over_budget`), the tier punches
+            growth shrinks its step to keep ``held_nbytes`` within it (but
+            always grows at least one row). Past it (:attr:`over_budget`), the tier punches
             free rows until ``held_nbytes`` is back within.
         evictions: keys evicted by LRU so far.
 
@@ -244,13 +244,14 @@ class RowIndex:
     def plan_growth(self, group_id: int) -> Growth:
         """Plan allocating more rows for a group: extend a segment or start a new one.
 
-        The step is ``grow_rows`` rows, fewer where
-        ``disk_budget_nbytes`` would be exceeded (never fewer than one row),
+        The step is ``grow_rows`` rows, fewer where :attr:`held_nbytes`
+        would exceed ``disk_budget_nbytes`` (never fewer than one row; rows
+        punched in other groups hold no blocks, so they leave room),
         and never beyond a segment's ``num_rows``. The caller serializes growths of a group,
         performs the I/O, then calls :meth:`commit_growth` or :meth:`abandon_growth`.
         """
         row = self._row_nbytes[group_id]
-        room = (self.disk_budget_nbytes - self.allocated_nbytes) // row
+        room = (self.disk_budget_nbytes - self.held_nbytes) // row
         want = max(1, min(self._grow_rows[group_id], room))
         for seg, (num_rows, allocated) in sorted(self._segments[group_id].items()):
             if allocated < num_rows:
@@ -377,7 +378,7 @@ class RowIndex:
         last rows of the budget: an on-demand growth for a waiting write may).
         """
         step = self._grow_rows[group_id]
-        room = self.disk_budget_nbytes - self.allocated_nbytes
+        room = self.disk_budget_nbytes - self.held_nbytes
         low = len(self._free[group_id]) <= step // 2
         return low and room >= step * self._row_nbytes[group_id]
 

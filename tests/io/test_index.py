@@ -279,6 +279,35 @@ def test_growth_steps_stay_within_the_disk_budget() -> None:
     assert index.allocated_nbytes == 10 * 4096
 
 
+def test_rows_punched_in_other_groups_leave_room_for_full_growth_steps() -> None:
+    """A workload that moved to group 1: group 0's punched rows hold no disk blocks.
+
+    Growth counted allocated rows (punched ones included), so once a tier
+    had gone past its budget group 1 grew one row at a time, each write
+    waiting for its own fallocate.
+    """
+    index = RowIndex({0: 4096, 1: 4096}, 4 * 4096, {0: 16, 1: 16}, {0: 3, 1: 3})
+    for _ in range(3):
+        index.commit_growth(index.plan_growth(0))
+    assert index.allocated_nbytes == 9 * 4096
+    assert index.wants_growth(1) is False  # 1 row of room: less than a step
+    punched = index.take_to_punch(6 * 4096)  # the tier punches group 0's free rows
+    index.reclaimed(punched, punched=True)
+    assert index.held_nbytes == 3 * 4096
+    assert index.wants_growth(1) is True
+    plan = index.plan_growth(1)
+    assert (plan.start, plan.stop) == (0, 3)  # a whole step
+    index.commit_growth(plan)
+    assert index.held_nbytes == 6 * 4096 <= index.disk_budget_nbytes
+    again = index.plan_growth(1)
+    assert (again.start, again.stop) == (3, 6)
+    index.commit_growth(again)
+    assert index.held_nbytes == index.disk_budget_nbytes - 1 * 4096
+    last = index.plan_growth(1)
+    assert (last.start, last.stop) == (6, 7)  # the budget's last row
+    index.abandon_growth(last)
+
+
 def test_take_to_punch_takes_the_highest_free_rows_of_the_group_with_most_free_bytes() -> None:
     index = RowIndex({0: 4096, 1: 8192}, 4 * 4096, {0: 8, 1: 8}, {0: 4, 1: 2})
     for g in (0, 1):
