@@ -88,6 +88,11 @@ def _samples(s: Any) -> Iterator[tuple[str, str, str, dict[str, str], float]]:
         yield "gauge", "direct_io_fallback", doc, {}, fallback
         bad = float(nvme.get("checksum_failures", 0))
         yield "counter", "checksum_failures", "rows whose checksum did not match", {}, bad
+        evicted = float(nvme.get("evictions", 0))
+        yield "counter", "nvme_evictions", "NVMe rows evicted for capacity", {}, evicted
+        window = float(nvme.get("window_evictions", 0))
+        doc = "NVMe evictions of the writer's own group's key out of strict LRU order"
+        yield "counter", "nvme_window_evictions", doc, {}, window
     doc = "1 when the CPU pool is page-locked"
     yield "gauge", "pinned_memory", doc, {}, float(s.pinned_memory)
 

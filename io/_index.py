@@ -54,6 +54,11 @@ from kvtier._types import OffloadKey
 __all__ = ["Growth", "RowEntry", "RowIndex", "RowRef"]
 
 
+WINDOW_SHARE = 32
+"""Default ``window_share`` of :class:`RowIndex`: the eviction window never reaches
+past the oldest ``1/WINDOW_SHARE`` of the keys (read when an index is created)."""
+
+
 SEQ_JUMP = 1 << 32
 """How far sequence numbers jump at an open that could not read (or found invalid) anything.
 
@@ -113,7 +118,8 @@ class RowIndex:
             ``window_share``, so it never reaches past the oldest
             ``1/window_share`` of them (a tier of fewer than
             ``2 * window_share`` keys evicts in strict LRU order).
-        window_share: see ``eviction_window`` (``>= 1``).
+        window_share: see ``eviction_window`` (``>= 1``; default
+            :data:`WINDOW_SHARE`, 32).
 
     Attributes:
         bytes_used: row bytes of visible, reserved and zombie rows plus the
@@ -125,6 +131,8 @@ class RowIndex:
             always grows at least one row). Past it (:attr:`over_budget`), the tier punches
             free rows until ``held_nbytes`` is back within.
         evictions: keys evicted by LRU so far.
+        window_evictions: those of ``evictions`` that took the writer's own
+            group's key out of strict LRU order (``eviction_window``).
 
     """
 
@@ -135,8 +143,10 @@ class RowIndex:
         rows_per_segment: Mapping[int, int],
         grow_rows: Mapping[int, int],
         eviction_window: int = 1,
-        window_share: int = 32,
+        window_share: int | None = None,
     ) -> None:
+        if window_share is None:
+            window_share = WINDOW_SHARE
         if eviction_window < 1 or window_share < 1:
             raise ValueError(
                 f"eviction_window and window_share must be >= 1: {eviction_window}, {window_share}"
@@ -165,6 +175,7 @@ class RowIndex:
         self._zombies: set[RowRef] = set()
         self._seq = 0
         self.evictions = 0
+        self.window_evictions = 0
 
     def row_nbytes(self, group_id: int) -> int:
         """Bytes of one row of a group."""
@@ -345,6 +356,7 @@ class RowIndex:
             if key.group_id == group_id:
                 del self._lru[key]
                 self.evictions += 1
+                self.window_evictions += seen > 0  # strict LRU would have taken another
                 return entry.ref  # its bytes stay counted: they are the reservation
             seen += 1
             if seen >= window:

@@ -494,7 +494,9 @@ class NVMeTier:
         included), ``read_bytes``, ``read_seconds``, ``write_bytes``, ``write_seconds``,
         ``read_requests``, ``write_requests``, ``failures_<kind>`` for every
         kind in :data:`FAILURE_KINDS`, ``checksum_failures``, ``evictions``,
-        ``direct_io``, ``direct_io_fallback``, ``backend``,
+        ``window_evictions`` (evictions of the writer's own group's key out
+        of strict LRU order, see ``eviction_window``), ``direct_io``,
+        ``direct_io_fallback``, ``backend``,
         ``invalid_rows_at_open``, ``invalid_segments_at_open``, ``segments``,
         ``reclaim_failures`` (stale rows whose trailer could not be blanked).
         """
@@ -508,6 +510,7 @@ class NVMeTier:
             bytes_allocated=self._index.allocated_nbytes,
             checksum_failures=int(self._counts["failures_checksum"]),
             evictions=self._index.evictions,
+            window_evictions=self._index.window_evictions,
             direct_io=bool(self._row_io is not None and self._row_io.direct),
             backend=self._row_io.name if self._row_io is not None else "",
             segments=len(self._segments),

@@ -277,6 +277,7 @@ async def _full_tier_blanking(root: pathlib.Path, slots: Any, window: int) -> di
     blanked = sum(n == TRAILER for _, n in holder[0].pwritev_calls)
     live = list(tier.keys())
     evictions = tier.stats()["evictions"]
+    window_evictions = tier.stats()["window_evictions"]
     await tier.close()
     again = NVMeTier(**tier_kwargs(root, capacity_bytes=64 << 20))  # room for every key
     await again.open()
@@ -295,6 +296,7 @@ async def _full_tier_blanking(root: pathlib.Path, slots: Any, window: int) -> di
     return {
         "blanked": blanked,
         "evictions": evictions,
+        "window_evictions": window_evictions,
         # keys of the fill that outlived a younger key of the fill
         "bypassed": sum(i < youngest_evicted for i in survivors),
     }
@@ -312,6 +314,9 @@ async def test_a_full_tier_evicts_the_writers_group_within_the_window(tmp_path, 
     strict = await _full_tier_blanking(tmp_path / "strict", slots, 1)
     window = await _full_tier_blanking(tmp_path / "window", slots, 32)
     assert strict["bypassed"] == 0  # strict LRU: the oldest keys went first
+    assert strict["window_evictions"] == 0
+    # counted: evictions of the writer's own group's key past an older key of another
+    assert window["window_evictions"] > window["evictions"] // 4
     assert strict["blanked"] > strict["evictions"] // 2  # 2 in 3 free another group's row
     # a victim had fewer than 10 older keys: so fewer than 10 outlived a younger one
     assert 0 < window["bypassed"] < 10

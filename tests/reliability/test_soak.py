@@ -59,6 +59,7 @@ class Soak:
     ops: collections.Counter[str] = field(default_factory=collections.Counter)
     outcomes: collections.Counter[str] = field(default_factory=collections.Counter)
     mismatches: int = 0
+    window_evictions: int = 0  # NVMe evictions out of strict LRU order, all sessions
     bad: list[str] = field(default_factory=list)
     engine: kvtier.TransferEngine | None = None
 
@@ -171,9 +172,14 @@ class Soak:
         assert stats.slots_pinned == 0
         assert stats.slots_writing == 0
 
+    def count_window_evictions(self) -> None:
+        assert self.engine is not None
+        self.window_evictions += int((self.engine.stats().nvme or {})["window_evictions"])
+
     async def reopen(self, baseline: int) -> None:
         assert self.engine is not None
         await self.rest_and_check(baseline)
+        self.count_window_evictions()
         await asyncio.wait_for(self.engine.aclose(), 30)
         self.engine = kvtier.TransferEngine(self.gpu.layout, self.config())
         await self.engine.start()
@@ -209,6 +215,7 @@ class Soak:
                 if rounds % reopen_every == 0:
                     await self.reopen(baseline)
             await self.rest_and_check(baseline)
+            self.count_window_evictions()
         finally:
             await asyncio.wait_for(self.engine.aclose(), 30)
         assert len(asyncio.all_tasks()) <= baseline
@@ -233,6 +240,22 @@ async def _soak(tmp_path: pathlib.Path, seed: int, n_ops: int, reopen_every: int
 
 async def test_soak_10k_mixed_operations(tmp_path: pathlib.Path) -> None:
     await _soak(tmp_path, seed=6, n_ops=10_000, reopen_every=300)
+
+
+async def test_soak_10k_with_the_eviction_window_open(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same driver where a full NVMe tier evicts out of strict LRU order.
+
+    With 24 rows the window (at most 1/32 of the keys) stays shut; a share of
+    4 opens it to 6 keys, so most NVMe evictions take the writer's own group's
+    oldest key and overwrite its row in place.
+    """
+    import kvtier.io._index as index
+
+    monkeypatch.setattr(index, "WINDOW_SHARE", 4)
+    soak = await _soak(tmp_path, seed=7, n_ops=10_000, reopen_every=300)
+    assert soak.window_evictions > 100, soak.window_evictions
 
 
 @pytest.mark.slow
