@@ -45,7 +45,8 @@ class NVMeConfig:
         eviction_window: when the tier is full, a write evicts the least
             recently used key of its own group instead of the least recently
             used key if it is among the ``eviction_window`` least recently
-            used keys (and among the oldest 1/32 of them); the writer then
+            used evictable keys (pinned keys and keys of the writing call are
+            skipped; the window is at most 1/32 of the keys); the writer then
             overwrites that row in place, where a row of another group needs
             a 4 KiB trailer write to blank it first. ``1``: strict LRU.
             Default 32 (``kvtier bench`` full tier: see the README, "Steady

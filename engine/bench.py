@@ -918,11 +918,13 @@ async def _full_tier_write(
     A tier with room for exactly the data set is filled with every chunk (not
     timed), then the same blocks are stored under new keys, in another order,
     and written (``store(durable=True)``, timed as in ``nvme_write``): each row
-    evicts the least recently used one, most often of another group, as in a
-    serving engine that has run long enough to fill its disk budget. Not
-    timed: a new engine loads the new keys from NVMe (those that a later new
-    key evicted, from ``ecfg``'s tier, written by the fresh-tier leg) and every tensor
-    is compared with the bytes the bench generated.
+    evicts one, mostly the oldest key of its own group (``eviction_window``;
+    under strict LRU most often one of another group), as in a serving engine
+    that has run long enough to fill its disk budget. Not timed: a new engine
+    must find exactly the new keys the tier held at close, and no invalid row;
+    it loads them from NVMe (the few that later new keys evicted come from
+    ``ecfg``'s tier, written by the fresh-tier leg) and every tensor is
+    compared with the bytes the bench generated.
     """
     assert ecfg.nvme is not None
     row_bytes = phase.nbytes
@@ -943,24 +945,34 @@ async def _full_tier_write(
             isinstance(evictions, int) and evictions >= len(fresh),
             "the full tier evicted too few rows",
         )
-    # Not timed: the new keys load back from NVMe as the bytes stored. A few
-    # of the first new keys may have been evicted by later ones (the tier holds
-    # exactly the data set, and with NVMeConfig.eviction_window a write evicts
-    # its own group's oldest key when it is among the oldest, which late in the
-    # leg can be one of the first new keys while a key of the fill is left):
-    # their blocks come back from the fresh-tier leg's tier (``ecfg``: every
-    # chunk under its first key), so that every tensor can be compared.
+        # A few of the first new keys may have been evicted by later ones (the
+        # tier holds exactly the data set, and with NVMeConfig.eviction_window a
+        # write evicts its own group's oldest key when it is among the oldest,
+        # which late in the leg can be one of the first new keys while a key of
+        # the fill is left). The live tier says which.
+        assert engine._nvme is not None
+        kept = [c for c in fresh if engine._nvme.contains(c.key)]
+    # Not timed: exactly those new keys load back from NVMe as the bytes stored
+    # (a row written wrong is invalid at open, or fails its checksum); the
+    # blocks of the evicted ones come back from the fresh-tier leg's tier
+    # (``ecfg``: every chunk under its first key), so every tensor can be compared.
     _scribble(layout)
     async with kvtier.TransferEngine(layout, staged) as engine:
         on_nvme = engine.lookup([c.key for c in fresh])
-        kept = [
-            c for c, where in zip(fresh, on_nvme, strict=True) if where is kvtier.Residency.NVME
+        found = [
+            c for c, where in zip(fresh, on_nvme, strict=True) if where is not kvtier.Residency.MISS
         ]
+        invalid = (engine.stats().nvme or {}).get("invalid_rows_at_open", 0)
+        _check(
+            found == kept and invalid == 0,
+            f"the full tier's rows at reopen: {len(found)} of the {len(kept)} new keys it held, "
+            f"{invalid} invalid rows",
+        )
         await _copy_pass(engine, _batches(kept, cfg.batch_chunks), "load", 1, None)
     evicted = {c.key.block_hash[len(b"full/") :] for c in fresh} - {
         c.key.block_hash[len(b"full/") :] for c in kept
     }
-    _check(len(evicted) <= len(fresh) // 10, f"the full tier lost {len(evicted)} new keys")
+    _check(len(evicted) <= len(fresh) // 10, f"the full tier evicted {len(evicted)} new keys")
     phase.counts.setdefault("new_keys_evicted", []).append(len(evicted))
     if evicted:
         async with kvtier.TransferEngine(layout, ecfg) as engine:

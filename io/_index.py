@@ -10,7 +10,7 @@ reserved, zombie) and never exceeds ``capacity_bytes``. Eviction is one LRU
 over the keys of all groups, with one refinement (:meth:`RowIndex.reserve`):
 a write that needs one row of room evicts the least recently used key of its
 own group instead of the least recently used key when that key is among the
-oldest few (``eviction_window``, at most 1/32 of the keys), because the
+oldest few evictable keys (``eviction_window``, at most 1/32 of the keys), because the
 writer then overwrites the evicted row in place and nothing needs blanking.
 Any other evicted row stays in its group's segment and becomes a free row of
 that group. Segment files grow lazily, ``grow_rows``
@@ -114,9 +114,9 @@ class RowIndex:
         grow_rows: rows added per growth step per group id (``>= 1``).
         eviction_window: how far down the LRU :meth:`reserve` may look for a
             key of the writer's own group (``>= 1``; 1 is strict LRU). The
-            window is also at most the number of keys divided by
-            ``window_share``, so it never reaches past the oldest
-            ``1/window_share`` of them (a tier of fewer than
+            window counts evictable keys only (pinned keys and keys of the
+            writing call are skipped) and is at most the number of keys
+            divided by ``window_share`` (a tier of fewer than
             ``2 * window_share`` keys evicts in strict LRU order).
         window_share: see ``eviction_window`` (``>= 1``; default
             :data:`WINDOW_SHARE`, 32).
@@ -300,8 +300,9 @@ class RowIndex:
         evictable keys, ``window = min(eviction_window, len(self) //
         window_share)``; its row is handed to the writer, who overwrites it
         in place, where another group's row would have to be blanked (a
-        4 KiB write) before it is free. The victim is still among the oldest
-        ``1/window_share`` of the keys. (Approximate LRU in the manner of
+        4 KiB write) before it is free. Fewer than ``window`` evictable keys
+        are then older than the victim (pinned and protected keys, skipped,
+        are not counted). (Approximate LRU in the manner of
         Redis' sampled eviction, https://redis.io/docs/latest/develop/reference/eviction/,
         with the sample taken from the LRU end.)
 

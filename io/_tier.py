@@ -79,13 +79,16 @@ class NVMeTier:
             directory name ``<namespace>-<digest16>``.
         capacity_bytes: bound on the bytes of rows in use (visible keys and
             writes in flight), all groups together. When a write needs room,
-            the least recently used keys of any group are evicted; their rows
-            become free rows of their own group once their trailers are
-            zeroed (one 4 KiB write each), and keep their disk blocks, so
-            that the group's next writes overwrite them in place (on ext4
-            an overwrite of written blocks is much faster than a write into
-            new ones). Disk blocks exceed ``capacity_bytes`` by at most one
-            growth step per group (plus headers): past that, freed rows are
+            the least recently used keys of any group are evicted, or the
+            writer's own group's oldest key within ``eviction_window``
+            (its row is handed to the writer and overwritten in place). Rows
+            of other groups become free rows of their own group once their
+            trailers are zeroed (one 4 KiB write each), and keep their disk
+            blocks, so that the group's next writes overwrite them in place
+            (on ext4 an overwrite of written blocks is much faster than a
+            write into new ones). Row blocks exceed ``capacity_bytes`` by at
+            most one growth step per group (plus headers, and ext4's
+            extent-tree blocks): past that, freed rows are
             deallocated with a punched hole where the filesystem supports
             it, the groups with the most free rows first; the files'
             apparent sizes keep the holes. Where holes cannot be punched,
@@ -119,9 +122,10 @@ class NVMeTier:
             write needs one.
         eviction_window: a full tier evicts the least recently used key of
             the writer's group instead of the least recently used key when it
-            is among this many least recently used keys, and among the oldest
-            1/32 of them (its row is then overwritten in place, with no
-            blanking write); ``1``: strict LRU. See
+            is among this many least recently used evictable keys (pinned
+            keys and keys of the writing call are skipped; the window is at
+            most 1/32 of the keys); its row is then overwritten in place,
+            with no blanking write. ``1``: strict LRU. See
             :meth:`~kvtier.io._index.RowIndex.reserve`.
 
     Raises:
