@@ -10,8 +10,9 @@ reserved, zombie) and never exceeds ``capacity_bytes``. Eviction is one LRU
 over the keys of all groups, with one refinement (:meth:`RowIndex.reserve`):
 a write that needs one row of room evicts the least recently used key of its
 own group instead of the least recently used key when that key is among the
-oldest few evictable keys (``eviction_window``, at most 1/32 of the keys), because the
-writer then overwrites the evicted row in place and nothing needs blanking.
+oldest few evictable keys (``eviction_window``, at most 1/32 of the keys),
+because the writer then overwrites the evicted row in place and nothing
+needs blanking.
 Any other evicted row stays in its group's segment and becomes a free row of
 that group. Segment files grow lazily, ``grow_rows``
 rows at a time, so rows allocated on disk (``allocated_nbytes``) exceed the
@@ -55,8 +56,8 @@ __all__ = ["Growth", "RowEntry", "RowIndex", "RowRef"]
 
 
 WINDOW_SHARE = 32
-"""Default ``window_share`` of :class:`RowIndex`: the eviction window never reaches
-past the oldest ``1/WINDOW_SHARE`` of the keys (read when an index is created)."""
+"""Default ``window_share`` of :class:`RowIndex`: the eviction window is at most
+``1/WINDOW_SHARE`` of the keys (read when an index is created)."""
 
 
 SEQ_JUMP = 1 << 32
@@ -128,8 +129,8 @@ class RowIndex:
             growths in progress included.
         disk_budget_nbytes: ``capacity_bytes`` plus one growth step per group;
             growth shrinks its step to keep ``held_nbytes`` within it (but
-            always grows at least one row). Past it (:attr:`over_budget`), the tier punches
-            free rows until ``held_nbytes`` is back within.
+            always grows at least one row). Past it (:attr:`over_budget`),
+            the tier punches free rows until ``held_nbytes`` is back within.
         evictions: keys evicted by LRU so far.
         window_evictions: those of ``evictions`` that took the writer's own
             group's key out of strict LRU order (``eviction_window``).
