@@ -46,11 +46,13 @@ class NVMeConfig:
             recently used key of its own group instead of the least recently
             used key if it is among the ``eviction_window`` least recently
             used evictable keys (pinned keys and keys of the writing call are
-            skipped; the window is at most 1/32 of the keys); the writer then
-            overwrites that row in place, where a row of another group needs
-            a 4 KiB trailer write to blank it first. ``1``: strict LRU.
-            Default 32 (``kvtier bench`` full tier: see the README, "Steady
-            state").
+            skipped; the window is at most 1/32 of the tier's keys, so a
+            tier of fewer than 64 keys evicts in strict LRU order); the
+            writer then overwrites that row in place, where a row of another
+            group needs a 4 KiB trailer write to blank it first. ``1``:
+            strict LRU. Default 32 (``kvtier bench`` full tier: see the
+            README, "Steady state"). ``stats().nvme["window_evictions"]``
+            counts the evictions that skipped an older key of another group.
 
     Raises:
         ConfigError: a value is out of range.

@@ -206,7 +206,12 @@ class EngineStats:
 
     Byte counts are in bytes, times in seconds. ``failures`` counts failed
     copies (``"transfer"``) and failed promotions by kind (``"checksum"``,
-    ``"eio"``, ...); ``nvme`` holds the NVMe tier's counters (None without NVMe).
+    ``"eio"``, ...); ``nvme`` holds the NVMe tier's counters (None without NVMe;
+    the keys are listed in :meth:`kvtier.io.NVMeTier.stats`: among them
+    ``evictions``, the tier's rows evicted for capacity, and
+    ``window_evictions``, those of them that skipped an older key of another
+    group, see ``NVMeConfig.eviction_window``). ``evictions`` here counts CPU
+    slot evictions.
 
     Attributes:
         num_slots: CPU slots in the pool (``cpu_bytes // slot_nbytes``).

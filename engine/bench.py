@@ -945,6 +945,12 @@ async def _full_tier_write(
             isinstance(evictions, int) and evictions >= len(fresh),
             "the full tier evicted too few rows",
         )
+        # of the leg's evictions (the fill evicts nothing), those that took the
+        # writer's own group's key out of strict LRU order (eviction_window)
+        window = st.get("window_evictions", 0)
+        phase.counts.setdefault("window_evictions", []).append(
+            window if isinstance(window, int) else 0
+        )
         # A few of the first new keys may have been evicted by later ones (the
         # tier holds exactly the data set, and with NVMeConfig.eviction_window a
         # write evicts its own group's oldest key when it is among the oldest,

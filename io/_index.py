@@ -35,7 +35,7 @@ Every row allocated on disk is in exactly one state:
 
 A row keeps its disk blocks when it is blanked (its 4 KiB trailer is zeroed),
 so that the next write into it overwrites written blocks: on ext4 that runs
-at 1.7-1.9x a write into blocks that were punched or freshly allocated
+at about 1.8-2x a write into blocks that were punched or freshly allocated
 (measured on the development machine; README "Steady state"). Only when the
 rows holding blocks exceed the disk budget (:attr:`RowIndex.over_budget`, a
 workload that moved to other groups) are rows punched: stale rows, then free
