@@ -380,7 +380,9 @@ async def reclaim(tier: NVMeTier) -> None:
 
     A failed blanking is logged and counted (``reclaim_failures``); the row
     is freed anyway (its next write overwrites the trailer; until then a
-    restart may find its old key again, with intact bytes). Never raises.
+    restart may find its old key again, with intact bytes). A failed punch
+    counts too, but its rows' trailers were zeroed instead (they are blank
+    and count as holding blocks). Never raises.
     """
     index = tier._index
     refs = index.take_stale()
@@ -413,7 +415,7 @@ async def reclaim(tier: NVMeTier) -> None:
         tier._dirty.add((g, seg))
         tier._write_epoch += 1
         if isinstance(outcome, BaseException):
-            log.warning("cannot blank stale rows of segment g%d/%d: %s", g, seg, outcome)
+            log.warning("blanking rows of segment g%d/%d failed: %s", g, seg, outcome)
             tier._counts["reclaim_failures"] += 1
         rows = [RowRef(g, seg, row) for row in by_segment[(g, seg)]]
         index.reclaimed(rows, punched=outcome is True)  # a failed punch: blocks counted

@@ -448,24 +448,37 @@ def blank_rows(
     (4 KiB, one aligned write) is overwritten with zeros and the row keeps
     its blocks, so that its next write is an overwrite of written blocks.
 
+    A punch that fails (EIO, ENOSPC, ...) does not leave its row's key in
+    place: that row's trailer, and the following rows', are zeroed instead,
+    then the punch's error is raised.
+
     Returns:
         Whether every row was punched (its disk blocks released).
 
     Raises:
-        OSError, StorageError: a request failed or was short (the rows before
-            it are blank).
+        OSError: a punch failed; every row is blank (the rows from the failed
+            one on keep their disk blocks).
+        OSError, StorageError: a trailer write failed or was short (the rows
+            before it are blank).
 
     """
     zeros: memoryview | None = None
     punched = True
+    failure: OSError | None = None
     for row in rows:
-        if punch and _punch_hole(handle, spec.row_offset(row), spec.row_nbytes):
-            continue
+        if punch and failure is None:
+            try:
+                if _punch_hole(handle, spec.row_offset(row), spec.row_nbytes):
+                    continue
+            except OSError as exc:
+                failure = exc  # zero the trailers of this row and the rest instead
         punched = False
         zeros = zeros or memoryview(_aligned(TRAILER_NBYTES))
         file_offset = spec.row_offset(row) + spec.payload_region
         if row_io.pwritev(handle, [zeros], file_offset) != TRAILER_NBYTES:
             raise StorageError("short_write", f"short trailer write at {file_offset}")
+    if failure is not None:
+        raise failure
     return punched
 
 

@@ -128,7 +128,7 @@ class RowIndex:
         allocated_nbytes: row bytes allocated in segment files (every state),
             growths in progress included.
         disk_budget_nbytes: ``capacity_bytes`` plus one growth step per group;
-            growth shrinks its step to keep ``held_nbytes`` within it (but
+            growth shrinks its step to keep :attr:`growth_held_nbytes` within it (but
             always grows at least one row). Past it (:attr:`over_budget`),
             the tier punches free rows until ``held_nbytes`` is back within.
         evictions: keys evicted by LRU so far.
@@ -170,6 +170,9 @@ class RowIndex:
         self._stale: list[RowRef] = []
         self._holed: set[RowRef] = set()  # punched rows (free, or being blanked)
         self._holed_nbytes = 0
+        # rows counted as punched before their punch is done (mark_punched)
+        self._promised: set[RowRef] = set()
+        self._promised_nbytes = 0
         self._lru: OrderedDict[OffloadKey, RowEntry] = OrderedDict()
         self._pending: dict[OffloadKey, set[int]] = {}
         self._pins: dict[RowRef, int] = {}
@@ -238,7 +241,9 @@ class RowIndex:
             )
             heapq.heapify(self._free[g])
         self._stale.extend(losers)
-        self.mark_punched(ref for ref in holes if ref not in taken)
+        for ref in holes:
+            if ref not in taken:
+                self._add_hole(ref)  # punched in an earlier session: done, not promised
         if blind:
             self._seq += SEQ_JUMP
         for key, entry in sorted(best.items(), key=lambda kv: kv[1].seq):
@@ -256,14 +261,15 @@ class RowIndex:
     def plan_growth(self, group_id: int) -> Growth:
         """Plan allocating more rows for a group: extend a segment or start a new one.
 
-        The step is ``grow_rows`` rows, fewer where :attr:`held_nbytes`
+        The step is ``grow_rows`` rows, fewer where :attr:`growth_held_nbytes`
         would exceed ``disk_budget_nbytes`` (never fewer than one row; rows
-        punched in other groups hold no blocks, so they leave room),
+        punched in other groups hold no blocks, so they leave room once
+        their punch is done),
         and never beyond a segment's ``num_rows``. The caller serializes growths of a group,
         performs the I/O, then calls :meth:`commit_growth` or :meth:`abandon_growth`.
         """
         row = self._row_nbytes[group_id]
-        room = (self.disk_budget_nbytes - self.held_nbytes) // row
+        room = (self.disk_budget_nbytes - self.growth_held_nbytes) // row
         want = max(1, min(self._grow_rows[group_id], room))
         for seg, (num_rows, allocated) in sorted(self._segments[group_id].items()):
             if allocated < num_rows:
@@ -392,7 +398,7 @@ class RowIndex:
         last rows of the budget: an on-demand growth for a waiting write may).
         """
         step = self._grow_rows[group_id]
-        room = self.disk_budget_nbytes - self.held_nbytes
+        room = self.disk_budget_nbytes - self.growth_held_nbytes
         low = len(self._free[group_id]) <= step // 2
         return low and room >= step * self._row_nbytes[group_id]
 
@@ -405,8 +411,20 @@ class RowIndex:
 
     @property
     def held_nbytes(self) -> int:
-        """Row bytes that hold disk blocks: allocated rows but the punched ones."""
+        """Row bytes that hold disk blocks: allocated rows but the punched ones.
+
+        Rows being punched count as punched already (:meth:`mark_punched`).
+        """
         return self.allocated_nbytes - self._holed_nbytes
+
+    @property
+    def growth_held_nbytes(self) -> int:
+        """:attr:`held_nbytes` plus the rows whose punch is not done yet.
+
+        What growth plans against: room that a punch in flight has only
+        promised is not on disk yet (and the punch may fail).
+        """
+        return self.held_nbytes + self._promised_nbytes
 
     @property
     def over_budget(self) -> bool:
@@ -424,16 +442,25 @@ class RowIndex:
         stale, self._stale = self._stale, []
         return stale
 
+    def _add_hole(self, ref: RowRef) -> bool:
+        """Count ``ref`` as punched; False if it already was."""
+        if ref in self._holed:
+            return False
+        self._holed.add(ref)
+        self._holed_nbytes += self._row_nbytes[ref.group_id]
+        return True
+
     def mark_punched(self, refs: Iterable[RowRef]) -> None:
         """Count rows taken for blanking as punched now, before the I/O.
 
         So that a concurrent reclaim does not punch for the same excess;
-        :meth:`reclaimed` settles it.
+        :meth:`reclaimed` settles it. Until then growth does not count on
+        the room they will leave (:attr:`growth_held_nbytes`).
         """
         for ref in refs:
-            if ref not in self._holed:
-                self._holed.add(ref)
-                self._holed_nbytes += self._row_nbytes[ref.group_id]
+            if self._add_hole(ref):
+                self._promised.add(ref)
+                self._promised_nbytes += self._row_nbytes[ref.group_id]
 
     def take_to_punch(self, nbytes: int) -> list[RowRef]:
         """Take free rows that hold blocks, at least ``nbytes`` of them, to be punched.
@@ -470,8 +497,11 @@ class RowIndex:
         """
         for ref in refs:
             heapq.heappush(self._free[ref.group_id], ref)
+            if ref in self._promised:
+                self._promised.discard(ref)
+                self._promised_nbytes -= self._row_nbytes[ref.group_id]
             if punched:
-                self.mark_punched([ref])
+                self._add_hole(ref)
             elif ref in self._holed:
                 self._holed.discard(ref)
                 self._holed_nbytes -= self._row_nbytes[ref.group_id]

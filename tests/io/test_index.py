@@ -161,6 +161,12 @@ class IndexMachine(RuleBasedStateMachine):
         assert self.index._holed <= set(free) | set(self.reclaiming)
         holed = sum(ROWS[r.group_id] for r in self.index._holed)
         assert self.index.held_nbytes == self.index.allocated_nbytes - holed
+        # counted as punched before the I/O: growth does not count on them yet
+        promised = self.index._promised
+        assert promised <= self.index._holed & set(self.reclaiming)
+        assert self.index.growth_held_nbytes == self.index.held_nbytes + sum(
+            ROWS[r.group_id] for r in promised
+        )
         assert set(zombies) <= set(self.pinned)
         used = sum(ROWS[r.group_id] for r in visible + reserved + zombies)
         assert self.index.bytes_used == used
