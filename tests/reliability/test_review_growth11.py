@@ -26,7 +26,7 @@ import errno
 import pathlib
 import random
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -44,19 +44,6 @@ ROW = {g: -(-n // 4096) * 4096 + TRAILER for g, n in GROUP_NBYTES.items()}  # 20
 
 
 # ====================================================================== helpers
-
-
-@pytest.fixture
-def slots() -> Iterator[Any]:
-    made: list[Slots] = []
-
-    def make(count: int, slot_nbytes: int = 8 * 4096) -> Slots:
-        made.append(Slots(count, slot_nbytes))
-        return made[-1]
-
-    yield make
-    for s in made:
-        s.close()
 
 
 class _Handle:

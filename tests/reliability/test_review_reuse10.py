@@ -48,7 +48,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -71,19 +71,6 @@ R = kvtier.Residency
 
 
 # ====================================================================== helpers
-
-
-@pytest.fixture
-def slots() -> Iterator[Any]:
-    made: list[Slots] = []
-
-    def make(count: int, slot_nbytes: int = 8 * 4096) -> Slots:
-        made.append(Slots(count, slot_nbytes))
-        return made[-1]
-
-    yield make
-    for s in made:
-        s.close()
 
 
 def _name(k: OffloadKey) -> str:

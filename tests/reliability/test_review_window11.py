@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -54,19 +54,6 @@ ROW = {g: -(-n // 4096) * 4096 + TRAILER for g, n in GROUP_NBYTES.items()}  # 20
 
 
 # ====================================================================== helpers
-
-
-@pytest.fixture
-def slots() -> Iterator[Any]:
-    made: list[Slots] = []
-
-    def make(count: int, slot_nbytes: int = 8 * 4096) -> Slots:
-        made.append(Slots(count, slot_nbytes))
-        return made[-1]
-
-    yield make
-    for s in made:
-        s.close()
 
 
 def _tag(k: OffloadKey) -> bytes:
