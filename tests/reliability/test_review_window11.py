@@ -166,6 +166,16 @@ async def _reopened(root: pathlib.Path, **over: Any) -> tuple[dict[OffloadKey, b
         await tier.close()
 
 
+async def _close_and_reopen(tier: NVMeTier, root: pathlib.Path) -> dict[OffloadKey, bytes | None]:
+    """Close ``tier``; a reopen finds exactly the keys and bytes it held, and no invalid row."""
+    expect = await _snapshot(tier)
+    await tier.close()
+    found, invalid = await _reopened(root)
+    assert found == expect
+    assert invalid == 0
+    return found
+
+
 def _states(
     index: RowIndex, reserved: Sequence[RowRef] = (), reclaiming: Sequence[RowRef] = ()
 ) -> None:
@@ -396,11 +406,7 @@ async def test_below_64_keys_a_full_tier_is_strict_lru_from_64_it_takes_its_own_
             assert holder[0].blanked == 0  # overwritten in place
         await tier.drain()
         _states(tier._index)
-        expect = await _snapshot(tier)
-        await tier.close()
-        found, invalid = await _reopened(root)
-        assert found == expect
-        assert invalid == 0
+        found = await _close_and_reopen(tier, root)
         assert not evicted & set(found)
         _check_own_bytes(found, {})
 
@@ -464,11 +470,7 @@ async def test_failed_write_into_an_own_victim_row_publishes_nothing_and_leaks_n
     assert await _write(tier, buf, key(9004, 1)) == [None]
     await tier.flush()
     _states(tier._index)
-    expect = await _snapshot(tier)
-    await tier.close()
-    found, invalid = await _reopened(root)
-    assert found == expect
-    assert invalid == 0
+    found = await _close_and_reopen(tier, root)
     assert j1 not in found
     assert not set(fill[:4]) & set(found)
     _check_own_bytes(found, {})
@@ -572,11 +574,7 @@ async def test_two_concurrent_writes_of_a_key_the_older_finishing_last_never_win
     await tier.flush()
     await tier.drain()
     _states(tier._index)
-    expect = await _snapshot(tier)
-    await tier.close()
-    found, invalid = await _reopened(root)
-    assert found == expect
-    assert invalid == 0
+    found = await _close_and_reopen(tier, root)
     assert found[k] == payload(k, GROUP_NBYTES[1], 2)
     _check_own_bytes(found, {k: 2})
 
@@ -612,11 +610,7 @@ async def test_a_row_pinned_by_a_read_is_skipped_and_the_next_own_key_in_the_win
     await tier.flush()
     await tier.drain()
     _states(tier._index)
-    expect = await _snapshot(tier)
-    await tier.close()
-    found, invalid = await _reopened(root)
-    assert found == expect
-    assert invalid == 0
+    found = await _close_and_reopen(tier, root)
     assert q not in found
     assert {p, x, new} <= set(found)
 
@@ -641,11 +635,7 @@ async def test_discard_during_an_in_place_write_keeps_both_the_key_and_its_victi
     await tier.drain()
     _states(tier._index)
     assert tier._index.bytes_used == sum(ROW[k.group_id] for k in tier._index.lru_keys())
-    expect = await _snapshot(tier)
-    await tier.close()
-    found, invalid = await _reopened(root)
-    assert found == expect
-    assert invalid == 0
+    found = await _close_and_reopen(tier, root)
     assert j not in found
     assert fill[1] not in found
 
@@ -679,11 +669,7 @@ async def test_keys_of_the_same_call_are_never_taken_as_own_victims(tmp_path, sl
     await tier.flush()
     await tier.drain()
     _states(tier._index)
-    expect = await _snapshot(tier)
-    await tier.close()
-    found, invalid = await _reopened(root)
-    assert found == expect
-    assert invalid == 0
+    found = await _close_and_reopen(tier, root)
     assert found[b] == payload(b, GROUP_NBYTES[0], 1)
     assert a not in found
     assert d not in found
@@ -727,11 +713,7 @@ async def test_reopen_over_capacity_then_the_window_still_reuses_rows_in_place(
     assert rig.blanked < evictions // 2
     await tier.drain()
     _states(tier._index)
-    expect = await _snapshot(tier)
-    await tier.close()
-    found, invalid = await _reopened(root)
-    assert found == expect
-    assert invalid == 0
+    found = await _close_and_reopen(tier, root)
     assert not set(fill[:20]) & set(found)
     _check_own_bytes(found, {})
 
