@@ -236,29 +236,40 @@ class _CorruptOnDisk:
         return n
 
 
-def _bench_with_corrupt_writes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, marker: str
-) -> tuple[bool, list[str]]:
-    """run_bench where NVMe rows written under a path holding ``marker`` are corrupt on disk."""
+def bench_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wrap: Any, size_bytes: int
+) -> bool:
+    """Whether run_bench fails its checks when every NVMeConfig gets ``row_io_wrapper=wrap``.
+
+    llama-3-8b, one block per chunk, one repeat, buffered I/O, under ``tmp_path``.
+    """
     import kvtier
     from kvtier.bench import BenchConfig, run_bench
 
-    hits: list[str] = []
     real = kvtier.NVMeConfig
 
     def nvme_config(*args: Any, **kw: Any) -> Any:
-        return real(*args, row_io_wrapper=lambda io: _CorruptOnDisk(io, marker, hits), **kw)
+        return real(*args, row_io_wrapper=wrap, **kw)
 
     monkeypatch.setattr(kvtier, "NVMeConfig", nvme_config)
     cfg = BenchConfig(
-        layout="llama-3-8b", size_bytes=1, blocks_per_chunk=1, repeat=1, device="cpu",
+        layout="llama-3-8b", size_bytes=size_bytes, blocks_per_chunk=1, repeat=1, device="cpu",
         root=str(tmp_path), direct_io="off",
     )  # fmt: skip
     try:
         asyncio.run(run_bench(cfg))
     except AssertionError:
-        return True, hits
-    return False, hits
+        return True
+    return False
+
+
+def _bench_with_corrupt_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, marker: str
+) -> tuple[bool, list[str]]:
+    """run_bench where NVMe rows written under a path holding ``marker`` are corrupt on disk."""
+    hits: list[str] = []
+    failed = bench_fails(tmp_path, monkeypatch, lambda io: _CorruptOnDisk(io, marker, hits), 1)
+    return failed, hits
 
 
 def test_rows_written_corrupt_by_the_cpu_to_nvme_leg_fail_the_bench(

@@ -43,6 +43,7 @@ from kvtier.errors import ConfigError, StorageError
 from kvtier.io import NVMeTier, RowIO
 from kvtier.io._index import RowIndex, RowRef
 
+from ..cli.test_review_fixes9_cli import bench_fails
 from ..io.conftest import GROUP_NBYTES, Slots, key, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
 from ._model import Gpu, chunks_for, engine_config, load_check, nvme_config, store_ok
@@ -961,24 +962,12 @@ class _FullTierRot(DelegatingRowIO):
 def _bench_full_tier_rot(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> tuple[bool, list[str]]:
-    from kvtier.bench import BenchConfig, run_bench
-
     hits: list[str] = []
-    real = kvtier.NVMeConfig
 
-    def nvme_config_rot(*args: Any, **kw: Any) -> Any:
-        return real(*args, row_io_wrapper=lambda io: _FullTierRot(io, where, hits), **kw)
+    def wrap(io: RowIO) -> RowIO:
+        return _FullTierRot(io, where, hits)
 
-    monkeypatch.setattr(kvtier, "NVMeConfig", nvme_config_rot)
-    cfg = BenchConfig(
-        layout="llama-3-8b", size_bytes=40 << 20, blocks_per_chunk=1, repeat=1, device="cpu",
-        root=str(tmp_path), direct_io="off",
-    )  # fmt: skip
-    try:
-        asyncio.run(run_bench(cfg))
-    except AssertionError:
-        return True, hits
-    return False, hits
+    return bench_fails(tmp_path, monkeypatch, wrap, 40 << 20), hits
 
 
 def test_bench_full_tier_leg_fails_on_one_corrupt_payload(tmp_path, monkeypatch) -> None:
