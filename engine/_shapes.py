@@ -3,10 +3,12 @@
 Shapes follow the models' published configs (``config.json`` on the Hugging
 Face hub): Gemma-3-270M (18 layers: 15 sliding-window + 3 full attention,
 1 KV head of dim 256), Llama-3-8B (32 full attention layers, 8 KV heads of dim
-128), DeepSeek-V3 (61 MLA layers, latent 512 + rope 64), Qwen3-Next-80B-A3B (48
-layers: 36 gated-delta-net linear attention + 12 full attention with 2 KV heads
-of dim 256). Layers are grouped as vLLM's hybrid KV cache manager does: one
-group per attention type, split into groups of equal layer counts.
+128), DeepSeek-V3 (61 MLA layers, latent 512 + rope 64), DeepSeek-V3.2 (61
+MLA layers plus the 61 key caches of its sparse-attention indexer, both in
+vLLM's FP8 formats), Qwen3-Next-80B-A3B (48 layers: 36 gated-delta-net linear
+attention + 12 full attention with 2 KV heads of dim 256). Layers are grouped
+as vLLM's hybrid KV cache manager does: one group per attention type, split
+into groups of equal layer counts.
 """
 
 from __future__ import annotations
@@ -25,10 +27,15 @@ from kvtier.layout import KVLayout
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One layer: its attention type and the shape of ONE block (page) of it."""
+    """One layer: its attention type and the shape of ONE block (page) of it.
+
+    ``name``: the layer's name in the built :class:`KVLayout`; ``None`` names
+    it ``model.layers.<index>`` by its position in :attr:`ModelShape.layers`.
+    """
 
     kind: str
     page_shape: tuple[int, ...]
+    name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -66,7 +73,7 @@ class ModelShape:
                 t = torch.empty((num_blocks, *self.layers[i].page_shape), dtype=self.dtype)
                 u8 = t.view(torch.uint8)
                 u8.copy_(torch.randint(0, 256, u8.shape, dtype=torch.uint8, generator=gen))
-                groups[g][f"model.layers.{i}"] = t.to(device)
+                groups[g][self.layers[i].name or f"model.layers.{i}"] = t.to(device)
         return KVLayout.from_tensors(groups, tokens_per_block=self.tokens_per_block)
 
 
@@ -91,6 +98,23 @@ def _deepseek_v3(tpb: int) -> ModelShape:
     )
 
 
+def _deepseek_v32(tpb: int) -> ModelShape:
+    # MLA + indexer, two KV cache groups of 61 layers with pages of unequal size.
+    # vLLM's default FP8 formats, one byte per element: the MLA latent as
+    # "fp8_ds_mla", 656 bytes per token (512 FP8 values, 4 float32 scales, 64
+    # bf16 rope values: FlashMLASparseBackend.get_kv_cache_shape), and the
+    # indexer's key cache, 132 bytes per token (128 FP8 values and one float32
+    # scale per quant block of 128: DeepseekV32IndexerCache's head_dim
+    # 128 + 128 // 128 * 4, an MLAAttentionSpec of one head).
+    layers: list[LayerSpec] = []
+    for i in range(61):
+        layers.append(LayerSpec("mla", (tpb, 656), f"model.layers.{i}.self_attn.mla_attn"))
+        layers.append(
+            LayerSpec("indexer", (tpb, 132), f"model.layers.{i}.self_attn.indexer.k_cache")
+        )
+    return ModelShape("deepseek-v3.2", tuple(layers), torch.uint8, tpb)
+
+
 def _qwen3_next(tpb: int) -> ModelShape:
     # Gated DeltaNet: conv state (conv_dim=8192 x kernel 4) + recurrent state
     # (16 value heads x 128 x 128, kept in bf16 here) per sequence snapshot.
@@ -103,6 +127,7 @@ SHAPES = {
     "gemma-3-270m": _gemma3_270m,
     "llama-3-8b": _llama3_8b,
     "deepseek-v3": _deepseek_v3,
+    "deepseek-v3.2": _deepseek_v32,
     "qwen3-next": _qwen3_next,
 }
 

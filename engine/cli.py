@@ -148,7 +148,7 @@ def main() -> None:
     "--layout",
     default="gemma-3-270m",
     show_default=True,
-    help="gemma-3-270m, llama-3-8b, deepseek-v3, qwen3-next, or a JSON file.",
+    help="gemma-3-270m, llama-3-8b, deepseek-v3, deepseek-v3.2, qwen3-next, or a JSON file.",
 )
 @click.option(
     "--size",

@@ -485,6 +485,7 @@ def test_ctrl_c_pressed_repeatedly_still_removes_the_folder(tmp_path: Path) -> N
     [
         ("llama-3-8b", ("--io-threads", "1", "--batch-chunks", "1", "--inflight-batches", "1"), 1),
         ("deepseek-v3", ("--block-order", "sequential", "--request-size", "4K"), 1),
+        ("deepseek-v3.2", ("--tokens-per-block", "64"), 2),  # MLA + indexer
     ],
 )
 def test_builtin_layout_reports_every_readme_figure(
@@ -539,7 +540,9 @@ def test_builtin_layout_reports_every_readme_figure(
 # --- the byte check ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", ["gemma-3-270m", "llama-3-8b", "deepseek-v3", "qwen3-next"])
+@pytest.mark.parametrize(
+    "layout", ["gemma-3-270m", "llama-3-8b", "deepseek-v3", "deepseek-v3.2", "qwen3-next"]
+)
 def test_a_load_that_moves_a_wrong_byte_fails_the_bench(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
 ) -> None:
