@@ -11,10 +11,11 @@
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     pytest-asyncio kvikio-cu13 libkvikio-cu13 'rapids-logger==0.3.*'
-# Then one device call (about 5 minutes):
-#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
+# Then one device call (about 6 minutes):
+#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=590)
 # What comes back under $OUT: pytest-gpu.log, bench.log, bench-gpu.json,
-# bench-posix.log, bench-gpu-posix.json.
+# bench-posix.log, bench-gpu-posix.json, bench-deepseek-v3.log,
+# bench-gpu-deepseek-v3.json.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 OUT=${OUT:-$(mktemp -d)}
@@ -35,7 +36,7 @@ python3 -c "from kvtier.io._rowio import kvikio_available; print('kvikio usable:
 
 # The CUDA path and the RowIO conformance suite on every backend (kvikio included).
 # -W default: a new warning of that torch or cupy should not fail the first run.
-timeout 240 python3 -m pytest -q -p no:cacheprovider -W default \
+timeout 180 python3 -m pytest -q -p no:cacheprovider -W default \
     tests/engine/test_gpu.py tests/io/test_rowio.py 2>&1 | tee "$OUT/pytest-gpu.log"
 
 # The main job on real device buffers, kvikio where it loads.
@@ -43,5 +44,12 @@ timeout 200 python3 -m kvtier.cli bench --size 1G --repeat 3 --dir /tmp \
     --json "$OUT/bench-gpu.json" 2>&1 | tee "$OUT/bench.log"
 
 # The same with kvtier's own O_DIRECT threads instead of kvikio's host path.
-timeout 120 python3 -m kvtier.cli bench --size 1G --repeat 1 --dir /tmp --io-backend posix \
+timeout 100 python3 -m kvtier.cli bench --size 1G --repeat 1 --dir /tmp --io-backend posix \
     --json "$OUT/bench-gpu-posix.json" 2>&1 | tee "$OUT/bench-posix.log"
+
+# Many layers per group: the CUDA path issues an index_select and a copy per
+# chunk, layer and piece on the event loop thread (on CPU tensors through the
+# same torch code: 311 us per chunk for deepseek-v3's 61 layers, 40 for
+# gemma-3-270m). Is a store launch-bound on a real GPU?
+timeout 90 python3 -m kvtier.cli bench --layout deepseek-v3 --no-nvme --size 1G --repeat 1 \
+    --json "$OUT/bench-gpu-deepseek-v3.json" 2>&1 | tee "$OUT/bench-deepseek-v3.log"
