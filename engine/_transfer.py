@@ -310,21 +310,89 @@ def run_plan(plan: Sequence[ChunkCopy], direction: Direction) -> None:
             else:
                 _run_host(plan[i], False)
         return
+    _run_torch(plan, store)
+
+
+def _run_torch(plan: Sequence[ChunkCopy], store: bool) -> None:
+    """The torch path (CUDA hosts): chunks of one group and sub-block range copied together.
+
+    Chunks with the same pieces, ``start`` and length form one batch, whatever
+    their order in ``plan``: each piece is gathered for the whole batch with
+    ONE ``index_select`` (store) or scattered with ONE ``index_copy_`` (load),
+    and the batch's slot copies go out as one ``torch._foreach_copy_`` (a C++
+    loop of non-blocking copies). On CUDA every call is a launch issued from
+    the event loop thread, so this divides the launches per piece by the
+    batch size. The order of the chunks within a job does not matter: a job's
+    chunks have distinct slots, and a load batch whose block ids repeat (two
+    loads of one job into the same GPU block) is copied chunk by chunk, in
+    order.
+    """
+    batches: dict[tuple[int, int, int], list[ChunkCopy]] = {}
     for copy in plan:
-        ids = copy.block_ids
-        first, n = ids[0], len(ids)
-        device = copy.specs[0].gpu.device
-        run = ids == tuple(range(first, first + n))
-        # Built on the host, then copied without blocking: ``torch.tensor(...,
-        # device=cuda)`` would synchronize the current (copy) stream, which
-        # has just been told to wait for the compute stream, on the loop thread.
-        idx = None if run else torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
-        for layer in _layers(copy.specs):
-            views = [slot_views(copy, spec) for spec in layer]
-            if not all(slot.is_contiguous() for _, slot in views):
-                _staged_layer(copy, layer, idx, store)
-                continue
-            _piecewise_layer(copy, layer, views, idx, store)
+        batches.setdefault((id(copy.specs), copy.start, len(copy.block_ids)), []).append(copy)
+    for copies in batches.values():
+        ids = [b for c in copies for b in c.block_ids]
+        if len(copies) == 1 or (not store and len(set(ids)) != len(ids)):
+            for copy in copies:
+                _torch_chunk(copy, store)
+        else:
+            _torch_batch(copies, ids, store)
+
+
+def _device_ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``ids`` as a ``long`` tensor on ``device``, built on the host and copied without blocking.
+
+    ``torch.tensor(..., device=cuda)`` would synchronize the current (copy)
+    stream, which has just been told to wait for the compute stream, on the
+    loop thread.
+    """
+    return torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _torch_chunk(copy: ChunkCopy, store: bool) -> None:
+    """Copy one chunk with torch: per layer, piece by piece or through a staging buffer."""
+    ids = copy.block_ids
+    first, n = ids[0], len(ids)
+    run = ids == tuple(range(first, first + n))
+    idx = None if run else _device_ids(ids, copy.specs[0].gpu.device)
+    for layer in _layers(copy.specs):
+        views = [slot_views(copy, spec) for spec in layer]
+        if not all(slot.is_contiguous() for _, slot in views):
+            _staged_layer(copy, layer, idx, store)
+            continue
+        _piecewise_layer(copy, layer, views, idx, store)
+
+
+def _torch_batch(copies: Sequence[ChunkCopy], ids: list[int], store: bool) -> None:
+    """Copy chunks of one group and sub-block range with torch, each piece for all of them at once.
+
+    Args:
+        copies: two or more chunks with the same ``specs``, ``start`` and length.
+        ids: their block ids, chunk after chunk (distinct for a load).
+        store: GPU blocks -> slots, else slots -> GPU blocks.
+    """
+    n = len(copies[0].block_ids)
+    device = copies[0].specs[0].gpu.device
+    non_blocking = device.type != "cpu"
+    idx = _device_ids(ids, device)
+    for layer in _layers(copies[0].specs):
+        # Slot offsets are 4 KiB multiples: every chunk's views take the same dtype.
+        views = [[slot_views(c, spec) for spec in layer] for c in copies]
+        if not all(slot.is_contiguous() for chunk in views for _, slot in chunk):
+            for i, c in enumerate(copies):
+                _staged_layer(c, layer, idx[i * n : (i + 1) * n], store)
+            continue
+        for p in range(len(layer)):
+            gpu = views[0][p][0]
+            slots = [chunk[p][1] for chunk in views]
+            shape = (len(copies), n, *gpu.shape[1:])
+            if store:
+                rows = gpu.index_select(0, idx)
+                torch._foreach_copy_(slots, rows.view(shape).unbind(0), non_blocking=non_blocking)
+            else:
+                rows = torch.empty((len(ids), *gpu.shape[1:]), dtype=gpu.dtype, device=device)
+                torch._foreach_copy_(rows.view(shape).unbind(0), slots, non_blocking=non_blocking)
+                gpu.index_copy_(0, idx, rows)
 
 
 def _layers(specs: Sequence[PieceSpec]) -> list[Sequence[PieceSpec]]:
