@@ -99,8 +99,10 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
 
     Stale rows left by earlier calls are blanked first (so this batch can
     reuse them); rows of other groups evicted for this batch are blanked
-    while the batch is written (see :func:`reclaim`: they keep their disk
-    blocks within the budget). The groups
+    before its rows are written (see :func:`reclaim`: they keep their disk
+    blocks within the budget), so that valid rows on disk never exceed
+    ``capacity_bytes``, and it returns only once every row evicted so far is
+    blank (:func:`settle_evictions`). The groups
     of the batch proceed independently: a group whose segment must grow
     first does not hold back the writes of the others. Runs as a tier task
     (shielded from the caller); never raises for I/O errors.
@@ -109,10 +111,14 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
     await reclaim(tier)
     groups = reserve_rows(tier, jobs, results)
     t0 = time.perf_counter()
-    written, _ = await asyncio.gather(
-        asyncio.gather(*(_write_group(tier, group, results) for group in groups)),
-        reclaim(tier),
-    )
+    # The rows of other groups evicted for this batch are blanked BEFORE its rows
+    # are written into their room: valid rows on disk then never exceed
+    # capacity_bytes, even in a crash. Otherwise a restart, finding the evicted
+    # key's row and the new one, would keep the highest sequence numbers and drop
+    # the oldest written key, maybe one that a flush covered and reads kept
+    # recent. Another batch's reclaim may hold some of these rows: wait for it.
+    await settle_evictions(tier)
+    written = await asyncio.gather(*(_write_group(tier, group, results) for group in groups))
     tier._counts["write_seconds"] += time.perf_counter() - t0
     # Keys are published in the batch's order (the order they were stored in),
     # not group by group: the LRU then interleaves groups as the stores did, so
@@ -153,13 +159,29 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
     for job, segment in written_rows:
         if tier._index.finish_write(job.key, job.ref, job.seq, job.start, job.stop):
             tier._unsynced.setdefault(segment, {})[job.ref.row] = job.key
-    if tier._index.stale_rows:
+    if tier._index.stale_rows or (tier._index.over_budget and tier._can_punch):
         # A failed write into a row evicted for it (its own group's, handed over
         # unblanked) left the evicted key's trailer in place: blank it before the
         # batch returns, as every other evicted row is, so that it cannot come back
-        # after a crash (a discard during the batch leaves a stale row too).
+        # after a crash (a discard during the batch leaves a stale row too). A
+        # growth past the disk budget may have left the tier past it (the write took
+        # a row the growth's reclaim had punched): punch free rows back within it.
         await reclaim(tier)
+    await settle_evictions(tier)
     return results
+
+
+async def settle_evictions(tier: NVMeTier) -> None:
+    """Return once every row evicted so far is blank (or was reused in place).
+
+    Blanks the index's stale rows, then waits for every reclaim whose I/O is in
+    flight: another batch's reclaim may have taken rows this one evicted.
+    Never raises.
+    """
+    if tier._index.stale_rows:
+        await reclaim(tier)
+    if tier._blanking:
+        await asyncio.wait(set(tier._blanking))
 
 
 def reserve_rows(
@@ -397,20 +419,26 @@ async def reclaim(tier: NVMeTier) -> None:
     by_segment: dict[tuple[int, int], list[int]] = {}
     for ref in refs:
         by_segment.setdefault((ref.group_id, ref.segment), []).append(ref.row)
-    outcomes = await asyncio.gather(
-        *(
-            tier._run_meta(
-                _files.blank_rows,
-                tier._row_io,
-                tier._segments[seg],
-                tier._specs[seg[0]],
-                rows,
-                punch,
-            )
-            for seg, rows in by_segment.items()
-        ),
-        return_exceptions=True,
-    )
+    in_flight = asyncio.get_running_loop().create_future()
+    tier._blanking.add(in_flight)  # settle_evictions waits for it
+    try:
+        outcomes = await asyncio.gather(
+            *(
+                tier._run_meta(
+                    _files.blank_rows,
+                    tier._row_io,
+                    tier._segments[seg],
+                    tier._specs[seg[0]],
+                    rows,
+                    punch,
+                )
+                for seg, rows in by_segment.items()
+            ),
+            return_exceptions=True,
+        )
+    finally:
+        tier._blanking.discard(in_flight)
+        in_flight.set_result(None)
     for (g, seg), outcome in zip(by_segment, outcomes, strict=True):
         tier._dirty.add((g, seg))
         tier._write_epoch += 1

@@ -213,6 +213,8 @@ class NVMeTier:
         self._grow_ahead = bool(grow_ahead)
         self._ahead_paused: set[int] = set()  # groups whose last growth ahead failed
         self._can_punch = True  # False once fallocate(PUNCH_HOLE) was not supported here
+        # One future per reclaim whose blanking I/O is in flight (see _batches.reclaim).
+        self._blanking: set[asyncio.Future[None]] = set()
         self._state = "new"
         self._row_io: RowIO | None = None
         self._aio: SubmittingRowIO | None = None  # row requests are queued through it
