@@ -1,47 +1,105 @@
-"""The copy phases of ``kvtier bench`` through the torch path (the CUDA hosts' code) on CPU tensors.
+"""What issuing the copies costs per chunk: NumPy path, torch path batched, torch path per chunk.
 
 On a CPU-only host the engine copies with NumPy on its copy threads; on a CUDA
-host it issues torch calls (per chunk, layer and piece: an ``index_select``
-and a copy) from the event loop thread. This runs the bench's copy phases
-(``--no-nvme``) once with the NumPy path and once with it disabled (the torch
-path then runs on the same CPU tensors, as the tests do), and prints store and
-load GB/s and the scheduling overhead per chunk (16-byte pages: what issuing
-the calls costs when the copy costs nothing). On a GPU, dispatching and
-launching each call costs about as much as here or more, so the torch path's
-overhead per chunk hints whether a store of a many-layer model is bound by
-launching there (``benchmarks/gpu_check.sh`` measures it on a real GPU).
+host it issues torch calls from the event loop thread (a job runs as one
+``run_plan`` on the copy stream). The torch path copies the chunks of a job
+that share a group and sub-block range together: one ``index_select`` (store)
+or ``index_copy_`` (load) per piece for the batch, and one
+``torch._foreach_copy_`` for its slot copies. Before, it issued both calls
+per chunk and piece; that code is still there, for chunks that cannot be
+batched (``_torch_chunk``), and this script runs it as the ``per_chunk``
+variant.
 
-    python benchmarks/torch_path.py --layout deepseek-v3 --size 256M
+Pages of 16 bytes make the copy itself cost nothing, so the figure is the
+time spent issuing it (validation, slot bookkeeping and the calls) per chunk,
+as ``kvtier bench``'s "scheduling overhead". One copy thread, so that on
+these CPU tensors a job is one ``run_plan`` call, as on a CUDA stream. The
+variants alternate, 5 rounds; medians. On a GPU each call also launches a
+kernel or a DMA, so this only hints at the loop thread's cost there
+(``benchmarks/gpu_check.sh`` measures a real GPU).
+
+    python benchmarks/torch_path.py --layout deepseek-v3
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
+import time
+from collections.abc import Sequence
 
+import torch
+
+import kvtier
 import kvtier._engine
-from kvtier.bench import BenchConfig, run_bench
-from kvtier.cli import parse_size
+import kvtier._transfer
+from kvtier._shapes import LayerSpec, ModelShape, model_shape
+from kvtier.bench import _batches, _chunks
+
+NUMPY_PATH = kvtier._engine.host_pieces
+BATCHED = kvtier._transfer._run_torch
+
+
+def _per_chunk(plan: Sequence[kvtier._transfer.ChunkCopy], store: bool) -> None:
+    for copy in plan:
+        kvtier._transfer._torch_chunk(copy, store)
+
+
+VARIANTS = {
+    "numpy": (NUMPY_PATH, BATCHED),
+    "torch": (None, BATCHED),
+    "per_chunk": (None, _per_chunk),
+}
+
+
+async def _pass(
+    layout: kvtier.KVLayout, chunks: list[kvtier.Chunk], bpc: int, batch: int
+) -> dict[str, float]:
+    cfg = kvtier.EngineConfig(len(chunks) * layout.slot_nbytes(bpc), bpc, copy_threads=1)
+    out = {}
+    async with kvtier.TransferEngine(layout, cfg) as engine:
+        for direction in ("store", "load"):
+            t0 = time.perf_counter()
+            for b in _batches(chunks, batch):
+                res = await getattr(engine, direction)(b)
+                assert not getattr(res, "failed", None), res
+            out[direction] = 1e6 * (time.perf_counter() - t0) / len(chunks)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--layout", default="gemma-3-270m")
-    ap.add_argument("--size", default="256M", help="bytes per phase (e.g. 256M, 1G)")
+    ap.add_argument("--chunks", type=int, default=192)
+    ap.add_argument("--batch-chunks", type=int, default=32, help="chunks per call")
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    numpy_path = kvtier._engine.host_pieces
-    for path in ("numpy", "torch"):
-        kvtier._engine.host_pieces = numpy_path if path == "numpy" else lambda *a, **k: None
-        cfg = BenchConfig(
-            layout=args.layout, size_bytes=parse_size(args.size), repeat=1, nvme=False
-        )
-        r = asyncio.run(run_bench(cfg))
-        ph, us = r["phases"], r["scheduling_overhead_us_per_chunk"]
-        print(
-            f"{args.layout} {path:5s} path: store {ph['store']['gbps']:.2f} GB/s, "
-            f"load {ph['load']['gbps']:.2f} GB/s; scheduling overhead per chunk: "
-            f"store {us['store']:.1f} us, load {us['load']:.1f} us"
-        )
+    real = model_shape(args.layout)
+    shape = ModelShape(
+        real.name,
+        tuple(LayerSpec(lay.kind, (16,)) for lay in real.layers),
+        torch.uint8,
+        real.tokens_per_block,
+    )
+    bpc = 16
+    layout = shape.build(bpc * (args.chunks // len(shape.groups()) + 1))
+    chunks = _chunks(layout, shape, bpc, 0, "random")[: args.chunks]
+    runs: dict[str, dict[str, list[float]]] = {v: {"store": [], "load": []} for v in VARIANTS}
+    for _ in range(args.rounds):
+        for name, (host, run_torch) in VARIANTS.items():
+            kvtier._engine.host_pieces = host or (lambda *a, **k: None)
+            kvtier._transfer._run_torch = run_torch
+            for direction, us in asyncio.run(_pass(layout, chunks, bpc, args.batch_chunks)).items():
+                runs[name][direction].append(us)
+    kvtier._engine.host_pieces, kvtier._transfer._run_torch = NUMPY_PATH, BATCHED
+    print(
+        f"{args.layout}: {args.chunks} chunks of {bpc} blocks, {args.batch_chunks} per call, "
+        f"us per chunk (median of {args.rounds})"
+    )
+    for name, dirs in runs.items():
+        store, load = (statistics.median(dirs[d]) for d in ("store", "load"))
+        print(f"  {name:9s} store {store:7.1f}  load {load:7.1f}")
 
 
 if __name__ == "__main__":
