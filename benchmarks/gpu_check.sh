@@ -47,9 +47,9 @@ timeout 200 python3 -m kvtier.cli bench --size 1G --repeat 3 --dir /tmp \
 timeout 100 python3 -m kvtier.cli bench --size 1G --repeat 1 --dir /tmp --io-backend posix \
     --json "$OUT/bench-gpu-posix.json" 2>&1 | tee "$OUT/bench-posix.log"
 
-# Many layers per group: the CUDA path issues an index_select and a copy per
-# chunk, layer and piece on the event loop thread (on CPU tensors through the
-# same torch code: 311 us per chunk for deepseek-v3's 61 layers, 40 for
-# gemma-3-270m). Is a store launch-bound on a real GPU?
+# Many layers per group: the CUDA path issues an index_select and a
+# _foreach_copy_ per layer piece and job, and one copy per chunk and piece, on
+# the event loop thread (benchmarks/torch_path.py: 164 us per chunk on CPU
+# tensors for deepseek-v3's 61 layers). Is a store launch-bound on a real GPU?
 timeout 90 python3 -m kvtier.cli bench --layout deepseek-v3 --no-nvme --size 1G --repeat 1 \
     --json "$OUT/bench-gpu-deepseek-v3.json" 2>&1 | tee "$OUT/bench-deepseek-v3.log"
