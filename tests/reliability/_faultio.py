@@ -8,6 +8,7 @@ may leave garbage in the slot, which the tier must never use).
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import threading
@@ -173,3 +174,17 @@ class Wrapper:
         self.io = KeyFaultIO(inner)
         self.io.faults = self.faults  # shared: faults added later apply too
         return self.io
+
+
+async def until_set(event: threading.Event, what: str = "the held I/O never started") -> None:
+    """Return once ``event`` (set by a RowIO wrapper's held request) is set; fail after 30 s."""
+    for _ in range(3000):
+        if event.is_set():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(what)
+
+
+def rig_factory(cls: Any, holder: list[Any]) -> Any:
+    """A ``row_io_wrapper`` that wraps the backend in ``cls`` and appends the rig to ``holder``."""
+    return lambda inner: holder.append(cls(inner)) or holder[-1]

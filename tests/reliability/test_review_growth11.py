@@ -36,6 +36,7 @@ from kvtier.io import NVMeTier, RowIO
 
 from ..io.conftest import GROUP_NBYTES, Slots, key, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
+from ._faultio import rig_factory, until_set
 
 TRAILER = 4096
 HEADER = 4096  # one per segment file
@@ -128,7 +129,7 @@ class _PunchRig(DelegatingRowIO):
 
 
 def _rigged(holder: list[_PunchRig]) -> Any:
-    return lambda inner: holder.append(_PunchRig(inner)) or holder[-1]
+    return rig_factory(_PunchRig, holder)
 
 
 def _disk(directory: pathlib.Path, group_id: int | None = None) -> tuple[int, int]:
@@ -142,11 +143,7 @@ def _disk(directory: pathlib.Path, group_id: int | None = None) -> tuple[int, in
 
 
 async def _until(event: threading.Event) -> None:
-    for _ in range(3000):
-        if event.is_set():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the held punch never started")
+    await until_set(event, "the held punch never started")
 
 
 def _rows(buf: Slots, keys: Sequence[OffloadKey], first: int = 0) -> list[Any]:

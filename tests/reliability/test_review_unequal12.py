@@ -40,10 +40,11 @@ from typing import Any
 from kvtier import OffloadKey
 from kvtier.errors import StorageError
 from kvtier.io import NVMeTier, RowIO
-from kvtier.io._index import RowIndex, RowRef
 
 from ..io.conftest import Slots, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
+from ._faultio import rig_factory, until_set
+from .test_review_window11 import _states  # nothing in flight: every row in one state
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TRAILER = 4096
@@ -120,15 +121,7 @@ class _Rig(DelegatingRowIO):
 
 
 def _rigged(holder: list[_Rig]) -> Any:
-    return lambda inner: holder.append(_Rig(inner)) or holder[-1]
-
-
-async def _until(event: threading.Event) -> None:
-    for _ in range(3000):
-        if event.is_set():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the held I/O never started")
+    return rig_factory(_Rig, holder)
 
 
 def _rows(buf: Slots, keys: Sequence[OffloadKey], salt: dict[OffloadKey, int] | None = None,
@@ -159,24 +152,6 @@ async def _reopened(root: pathlib.Path, **over: Any) -> tuple[dict[OffloadKey, b
         return await _snapshot(tier), int(tier.stats()["invalid_rows_at_open"])
     finally:
         await tier.close()
-
-
-def _states(index: RowIndex) -> None:
-    """Nothing in flight: every allocated row in one state, bytes_used = visible + zombie rows."""
-    free = [r for heap in index._free.values() for r in heap]
-    visible = [e.ref for e in index._lru.values()]
-    every = free + list(index._stale) + visible + list(index._zombies)
-    assert len(every) == len(set(every)), "a row in two states"
-    allocated = {
-        RowRef(g, s, i)
-        for g, segs in index._segments.items()
-        for s, (_, n) in segs.items()
-        for i in range(n)
-    }
-    assert set(every) == allocated, set(every) ^ allocated
-    used = sum(index.row_nbytes(r.group_id) for r in visible + list(index._zombies))
-    assert index.bytes_used == used, (index.bytes_used, used)
-    assert used <= index.capacity_bytes
 
 
 # ====================================================================== a model of the rule
@@ -343,7 +318,7 @@ async def test_a_big_row_that_finds_no_room_fails_with_capacity_and_evicts_nothi
     inflight = [_key(100 + i, SMALL) for i in range(36)]  # 288 KiB held by writes in flight
     rig.hold_rows.add(_tag(inflight[0]))
     held = asyncio.ensure_future(tier.write_rows(_rows(buf, inflight, first=3)))
-    await _until(rig.rows_held)
+    await until_set(rig.rows_held)
     assert tier.stats()["bytes_used"] == cap - 8192
     s1, s2, b = _key(200, SMALL), _key(201, SMALL), _key(202, BIG)
     got = await tier.write_rows(_rows(buf, [s1, s2, b]))
@@ -611,7 +586,7 @@ async def test_fixed_a_write_returns_and_writes_only_once_the_rows_it_evicted_ar
     call_b = asyncio.ensure_future(tier.write_rows(_rows(buf, [b], first=2)))
     crash = tmp_path / "crash"
     try:
-        await _until(rig.blank_held)
+        await until_set(rig.blank_held)
         await asyncio.sleep(0.05)  # time for A to finish, were it not waiting
         assert not call_a.done(), "A returned before the row it evicted was blank"
         shutil.copytree(root, crash)  # what a SIGKILL now would leave

@@ -46,6 +46,7 @@ from kvtier.io._index import RowIndex, RowRef
 from ..cli.test_review_fixes9_cli import bench_fails
 from ..io.conftest import GROUP_NBYTES, Slots, key, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
+from ._faultio import rig_factory, until_set
 from ._model import Gpu, chunks_for, engine_config, load_check, nvme_config, store_ok
 from ._model import key as model_key
 
@@ -112,15 +113,7 @@ class _Rig(DelegatingRowIO):
 
 
 def _rigged(holder: list[_Rig]) -> Any:
-    return lambda inner: holder.append(_Rig(inner)) or holder[-1]
-
-
-async def _until(event: threading.Event) -> None:
-    for _ in range(3000):
-        if event.is_set():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the held I/O never started")
+    return rig_factory(_Rig, holder)
 
 
 async def _write_all(tier: NVMeTier, buf: Slots, keys: Sequence[OffloadKey], salt: int = 0) -> None:
@@ -563,7 +556,7 @@ async def test_two_concurrent_writes_of_a_key_the_older_finishing_last_never_win
     k = key(7000, 1)
     rig.hold.add(_tag(k))
     first = asyncio.ensure_future(_write(tier, buf, k, salt=1, i=0))
-    await _until(rig.held)
+    await until_set(rig.held)
     assert await _write(tier, buf, k, salt=2, i=1) == [None]
     assert await _read(tier, buf, k, 2) == payload(k, GROUP_NBYTES[1], 2)
     rig.release.set()
@@ -596,7 +589,7 @@ async def test_a_row_pinned_by_a_read_is_skipped_and_the_next_own_key_in_the_win
     p, x, q = fill[:3]
     rig.hold_reads = True
     read = asyncio.ensure_future(_read(tier, buf, p, 3))
-    await _until(rig.read_held)
+    await until_set(rig.read_held)
     rig.blanked = 0
     new = key(8000, 0)
     assert await _write(tier, buf, new) == [None]
@@ -626,7 +619,7 @@ async def test_discard_during_an_in_place_write_keeps_both_the_key_and_its_victi
     j = key(9100, 1)
     rig.hold.add(_tag(j))
     write = asyncio.ensure_future(_write(tier, buf, j))
-    await _until(rig.held)
+    await until_set(rig.held)
     tier.discard(j)
     rig.release.set()
     assert await write == [None]
