@@ -313,30 +313,84 @@ def run_plan(plan: Sequence[ChunkCopy], direction: Direction) -> None:
     _run_torch(plan, store)
 
 
+_BATCH_NBYTES = 16 << 20
+"""At most this many bytes of one piece per batch: the size of its device temporary."""
+_BATCH_IDS = 4096
+"""At most this many block ids per batch (their index tensor leaves pageable host memory)."""
+
+
 def _run_torch(plan: Sequence[ChunkCopy], store: bool) -> None:
     """The torch path (CUDA hosts): chunks of one group and sub-block range copied together.
 
-    Chunks with the same pieces, ``start`` and length form one batch, whatever
-    their order in ``plan``: each piece is gathered for the whole batch with
-    ONE ``index_select`` (store) or scattered with ONE ``index_copy_`` (load),
-    and the batch's slot copies go out as one ``torch._foreach_copy_`` (a C++
-    loop of non-blocking copies). On CUDA every call is a launch issued from
-    the event loop thread, so this divides the launches per piece by the
-    batch size. The order of the chunks within a job does not matter: a job's
-    chunks have distinct slots, and a load batch whose block ids repeat (two
-    loads of one job into the same GPU block) is copied chunk by chunk, in
-    order.
+    Chunks with the same pieces, ``start`` and length form batches, whatever
+    their order in ``plan``: each piece is gathered for a whole batch with ONE
+    ``index_select`` (store) or scattered with ONE ``index_copy_`` (load), and
+    the batch's slot copies go out as one ``torch._foreach_copy_`` (a C++ loop
+    of non-blocking copies). On CUDA every call is a launch issued from the
+    event loop thread, so this divides the launches per piece by the batch
+    size. A batch holds at most :data:`_BATCH_NBYTES` of one piece (its device
+    temporary) and :data:`_BATCH_IDS` block ids.
+
+    The order of the chunks does not matter: a job's chunks have distinct
+    slots, and a load whose chunks write one GPU page twice (two loads of one
+    job into the same block, of one group or of groups that share a tensor)
+    is copied chunk by chunk, in plan order, so that the later load wins.
     """
+    if not store and _pages_written_twice(plan):
+        for copy in plan:
+            _torch_chunk(copy, store)
+        return
     batches: dict[tuple[int, int, int], list[ChunkCopy]] = {}
     for copy in plan:
         batches.setdefault((id(copy.specs), copy.start, len(copy.block_ids)), []).append(copy)
     for copies in batches.values():
-        ids = [b for c in copies for b in c.block_ids]
-        if len(copies) == 1 or (not store and len(set(ids)) != len(ids)):
-            for copy in copies:
-                _torch_chunk(copy, store)
-        else:
-            _torch_batch(copies, ids, store)
+        n = len(copies[0].block_ids)
+        piece = max(math.prod(spec.shape) * spec.width for spec in copies[0].specs)
+        size = max(1, min(_BATCH_NBYTES // (n * piece), _BATCH_IDS // n))
+        for i in range(0, len(copies), size):
+            part = copies[i : i + size]
+            if len(part) == 1:
+                _torch_chunk(part[0], store)
+            else:
+                _torch_batch(part, [b for c in part for b in c.block_ids], store)
+
+
+def _pages_written_twice(plan: Sequence[ChunkCopy]) -> bool:
+    """Whether two chunks of a load write the same block of the same tensor storage.
+
+    Groups whose pieces share a storage (one tensor registered in two groups)
+    are checked together. Costs one ``data_ptr`` per piece of each distinct
+    group of the plan, and one set update per chunk.
+    """
+    classes: list[tuple[set[int], set[int]]] = []  # (storages, block ids written)
+    of_specs: dict[int, tuple[set[int], set[int]]] = {}
+    for copy in plan:
+        cls = of_specs.get(id(copy.specs))
+        if cls is None:
+            ptrs = {spec.gpu.untyped_storage().data_ptr() for spec in copy.specs}
+            shared = [c for c in classes if c[0] & ptrs]
+            if shared:  # merge every class this group touches into the first
+                cls = shared[0]
+                for other in shared[1:]:
+                    if cls[1] & other[1]:
+                        return True
+                    cls[0].update(other[0])
+                    cls[1].update(other[1])
+                    classes.remove(other)
+                    for k, v in of_specs.items():
+                        if v is other:
+                            of_specs[k] = cls
+                cls[0].update(ptrs)
+            else:
+                cls = (ptrs, set())
+                classes.append(cls)
+            of_specs[id(copy.specs)] = cls
+        written = cls[1]
+        before = len(written)
+        written.update(copy.block_ids)
+        if len(written) != before + len(copy.block_ids):
+            return True
+    return False
 
 
 def _device_ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -368,7 +422,7 @@ def _torch_batch(copies: Sequence[ChunkCopy], ids: list[int], store: bool) -> No
 
     Args:
         copies: two or more chunks with the same ``specs``, ``start`` and length.
-        ids: their block ids, chunk after chunk (distinct for a load).
+        ids: their block ids, chunk after chunk (no page written twice for a load).
         store: GPU blocks -> slots, else slots -> GPU blocks.
     """
     n = len(copies[0].block_ids)

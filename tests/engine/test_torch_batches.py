@@ -203,3 +203,40 @@ async def test_two_loads_into_one_block_in_one_job_go_chunk_by_chunk_in_order(
             got = t.select(dim, dst).contiguous().view(torch.uint8).flatten()[:n]
             last = t2.select(dim, src).contiguous().view(torch.uint8).flatten()[:n]
             assert torch.equal(got, last)  # the later load's bytes, whole
+
+
+async def test_batches_are_capped_in_block_ids_and_bytes(
+    torch_path: collections.Counter[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch holds at most _BATCH_IDS block ids and _BATCH_NBYTES of one piece (its
+    device temporary): more chunks make more batches, and the bytes stay right."""
+    import kvtier._transfer as transfer
+
+    nb, bpc, k = 64, 4, 8
+    layout, tensors = _layout(nb)
+    chunks = _chunks(nb, k, bpc, 3)
+    before = [t.clone() for t in tensors]
+    monkeypatch.setattr(transfer, "_BATCH_IDS", 3 * bpc)  # 3 chunks per batch: 3 + 3 + 2
+    async with kvtier.TransferEngine(layout, _config(bpc)) as engine:
+        assert len((await engine.store(chunks)).stored) == 2 * k
+        stored = collections.Counter(torch_path)
+        for t in tensors:
+            t.zero_()
+        assert not (await engine.load(chunks)).failed
+    assert stored["foreach_copy_"] == 2 * 3 * 3  # groups x packed pieces x batches
+    assert stored["foreach_items"] == 2 * 3 * k
+    _check_blocks(tensors, before, chunks)
+    # The largest piece per block: 128 B in group 0 (3 chunks of 4 blocks = 1536 B),
+    # 256 B in group 1 (one chunk per batch: chunk by chunk, no foreach).
+    monkeypatch.setattr(transfer, "_BATCH_IDS", 4096)
+    monkeypatch.setattr(transfer, "_BATCH_NBYTES", 1536)
+    torch_path.clear()
+    for t, b0 in zip(tensors, before, strict=True):
+        t.copy_(b0)
+    async with kvtier.TransferEngine(layout, _config(bpc)) as engine:
+        assert len((await engine.store(chunks)).stored) == 2 * k
+        assert torch_path["foreach_copy_"] == 3 * 3  # group 0 only: 3 pieces x 3 batches
+        for t in tensors:
+            t.zero_()
+        assert not (await engine.load(chunks)).failed
+    _check_blocks(tensors, before, chunks)
