@@ -159,14 +159,14 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
     for job, segment in written_rows:
         if tier._index.finish_write(job.key, job.ref, job.seq, job.start, job.stop):
             tier._unsynced.setdefault(segment, {})[job.ref.row] = job.key
-    if tier._index.stale_rows or (tier._index.over_budget and tier._can_punch):
-        # A failed write into a row evicted for it (its own group's, handed over
-        # unblanked) left the evicted key's trailer in place: blank it before the
-        # batch returns, as every other evicted row is, so that it cannot come back
-        # after a crash (a discard during the batch leaves a stale row too). A
-        # growth past the disk budget may have left the tier past it (the write took
+    if tier._index.over_budget and tier._can_punch:
+        # A growth past the disk budget may have left the tier past it (the write took
         # a row the growth's reclaim had punched): punch free rows back within it.
         await reclaim(tier)
+    # A failed write into a row evicted for it (its own group's, handed over
+    # unblanked) left the evicted key's trailer in place: blank it before the
+    # batch returns, as every other evicted row is, so that it cannot come back
+    # after a crash (a discard during the batch leaves a stale row too).
     await settle_evictions(tier)
     return results
 

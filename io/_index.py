@@ -381,9 +381,7 @@ class RowIndex:
         if not free:
             return None
         ref = heapq.heappop(free)
-        if ref in self._holed:  # the write allocates its blocks again
-            self._holed.discard(ref)
-            self._holed_nbytes -= self._row_nbytes[group_id]
+        self._drop_hole(ref)  # a punched row: the write allocates its blocks again
         return ref
 
     def free_rows(self, group_id: int) -> int:
@@ -450,6 +448,12 @@ class RowIndex:
         self._holed_nbytes += self._row_nbytes[ref.group_id]
         return True
 
+    def _drop_hole(self, ref: RowRef) -> None:
+        """Count ``ref`` as holding blocks again (if it was punched)."""
+        if ref in self._holed:
+            self._holed.discard(ref)
+            self._holed_nbytes -= self._row_nbytes[ref.group_id]
+
     def mark_punched(self, refs: Iterable[RowRef]) -> None:
         """Count rows taken for blanking as punched now, before the I/O.
 
@@ -502,9 +506,8 @@ class RowIndex:
                 self._promised_nbytes -= self._row_nbytes[ref.group_id]
             if punched:
                 self._add_hole(ref)
-            elif ref in self._holed:
-                self._holed.discard(ref)
-                self._holed_nbytes -= self._row_nbytes[ref.group_id]
+            else:
+                self._drop_hole(ref)
 
     @property
     def stale_rows(self) -> int:
