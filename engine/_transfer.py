@@ -362,33 +362,26 @@ def _pages_written_twice(plan: Sequence[ChunkCopy]) -> bool:
     are checked together. Costs one ``data_ptr`` per piece of each distinct
     group of the plan, and one set update per chunk.
     """
-    classes: list[tuple[set[int], set[int]]] = []  # (storages, block ids written)
-    of_specs: dict[int, tuple[set[int], set[int]]] = {}
+    storages: dict[int, set[int]] = {}  # id(specs) -> the storages of its pieces
     for copy in plan:
-        cls = of_specs.get(id(copy.specs))
-        if cls is None:
-            ptrs = {spec.gpu.untyped_storage().data_ptr() for spec in copy.specs}
-            shared = [c for c in classes if c[0] & ptrs]
-            if shared:  # merge every class this group touches into the first
-                cls = shared[0]
-                for other in shared[1:]:
-                    if cls[1] & other[1]:
-                        return True
-                    cls[0].update(other[0])
-                    cls[1].update(other[1])
-                    classes.remove(other)
-                    for k, v in of_specs.items():
-                        if v is other:
-                            of_specs[k] = cls
-                cls[0].update(ptrs)
-            else:
-                cls = (ptrs, set())
-                classes.append(cls)
-            of_specs[id(copy.specs)] = cls
-        written = cls[1]
-        before = len(written)
-        written.update(copy.block_ids)
-        if len(written) != before + len(copy.block_ids):
+        if id(copy.specs) not in storages:
+            storages[id(copy.specs)] = {s.gpu.untyped_storage().data_ptr() for s in copy.specs}
+    # Label every group with the smallest label of the groups it shares a storage
+    # with, until no label changes: one label per connected set of groups.
+    label = {sid: sid for sid in storages}
+    changed = True
+    while changed:
+        changed = False
+        for a, b in itertools.combinations(storages, 2):
+            if label[a] != label[b] and storages[a] & storages[b]:
+                label[a] = label[b] = min(label[a], label[b])
+                changed = True
+    written: dict[int, set[int]] = {}  # label -> block ids written so far
+    for copy in plan:
+        seen = written.setdefault(label[id(copy.specs)], set())
+        before = len(seen)
+        seen.update(copy.block_ids)
+        if len(seen) != before + len(copy.block_ids):
             return True
     return False
 
