@@ -91,13 +91,13 @@ async def _write(tier: NVMeTier, buf: Slots, k: OffloadKey, salt: int = 0) -> No
     assert await tier.write_rows([(k, 0, 4, buf.fill(0, data))]) == [None], k
 
 
-async def _read(tier: NVMeTier, buf: Slots, k: OffloadKey) -> bytes | None:
-    """The payload of a visible key (its range must be 0..4), or None when it fails."""
-    (got,) = await tier.read_rows([(k, buf[0])])
+async def _read(tier: NVMeTier, buf: Slots, k: OffloadKey, i: int = 0) -> bytes | None:
+    """The payload of a visible key read into slot ``i`` (its range must be 0..4), or None."""
+    (got,) = await tier.read_rows([(k, buf[i])])
     if isinstance(got, BaseException):
         return None
     assert got == (0, 4), (k, got)
-    return bytes(buf[0][: GROUP_NBYTES[k.group_id]])
+    return bytes(buf[i][: GROUP_NBYTES[k.group_id]])
 
 
 async def _snapshot(tier: NVMeTier) -> dict[OffloadKey, bytes | None]:

@@ -49,6 +49,7 @@ from ..io.faults import DelegatingRowIO
 from ._faultio import rig_factory, until_set
 from ._model import Gpu, chunks_for, engine_config, load_check, nvme_config, store_ok
 from ._model import key as model_key
+from .test_review_reuse10 import _read, _snapshot
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TRAILER = 4096
@@ -132,22 +133,6 @@ async def _write(tier: NVMeTier, buf: Slots, k: OffloadKey, salt: int = 0, i: in
     return await tier.write_rows(
         [(k, 0, 4, buf.fill(i, payload(k, GROUP_NBYTES[k.group_id], salt)))]
     )
-
-
-async def _read(tier: NVMeTier, buf: Slots, k: OffloadKey, i: int = 0) -> bytes | None:
-    (got,) = await tier.read_rows([(k, buf[i])])
-    if isinstance(got, BaseException):
-        return None
-    assert got == (0, 4), (k, got)
-    return bytes(buf[i][: GROUP_NBYTES[k.group_id]])
-
-
-async def _snapshot(tier: NVMeTier) -> dict[OffloadKey, bytes | None]:
-    buf = Slots(1, 8 * 4096)
-    try:
-        return {k: await _read(tier, buf, k) for k in list(tier.keys())}
-    finally:
-        buf.close()
 
 
 async def _reopened(root: pathlib.Path, **over: Any) -> tuple[dict[OffloadKey, bytes | None], int]:
