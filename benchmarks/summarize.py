@@ -24,8 +24,11 @@ The figures (ratios are kvtier over the baseline of the same run):
 - ``store`` / ``load``: over ``plain_copy`` (target >= 0.70);
 - ``lag p99``: event-loop lag during the NVMe phases in ms (target < 5).
 
-File-per-chunk (target >= 1.0x) is met by every recorded run and left out of
-the table; ``--check-file-per-chunk`` prints the lowest ratio seen.
+A last line gives ranges over all runs of the figures the README quotes
+beside the table: the lowest ratio to file-per-chunk (target >= 1.0x), the
+store's and the plain copy's GB/s, the ratios to plain torch indexing, the
+scheduling overhead, prefetch against a hashed raw read, and the full-tier
+leg against a raw rewrite and against kvtier's own write into new blocks.
 
     python benchmarks/summarize.py
     python benchmarks/summarize.py benchmarks/results/2026-11-30
@@ -160,10 +163,48 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def _span(values: list[float], digits: int = 2) -> str:
+    return f"{min(values):.{digits}f}-{max(values):.{digits}f}" if values else "-"
+
+
+def other_figures(runs: list[dict[str, Any]]) -> list[str]:
+    """Ranges over ``runs`` of the figures the README quotes beside the table, one per line."""
+
+    def values(phase: str, key: str, sub: str | None = None) -> list[float]:
+        out = []
+        for r in runs:
+            d = r["phases"].get(phase, {})
+            d = d.get(sub, {}) if sub else d
+            if key in d:
+                out.append(float(d[key]))
+        return out
+
+    overhead = [r.get("scheduling_overhead_us_per_chunk") or {} for r in runs]
+    fresh = [
+        float(r["phases"]["nvme_write_full"]["gbps"]) / float(r["phases"]["nvme_write"]["gbps"])
+        for r in runs
+        if "nvme_write_full" in r["phases"]
+    ]
+    fpc = values("nvme_write", "ratio_vs_file_per_chunk")
+    fpc += values("nvme_read", "ratio_vs_file_per_chunk")
+    return [
+        f"vs file_per_chunk (write and read): lowest {min(fpc):.2f} over {len(fpc)} figures",
+        f"store GB/s {_span(values('store', 'gbps'), 1)}, its plain_copy GB/s "
+        f"{_span(values('store', 'plain_copy_gbps'), 1)}",
+        f"vs torch_gather: store {_span(values('store', 'ratio_vs_torch_gather'))}, "
+        f"load {_span(values('load', 'ratio_vs_torch_gather'))}",
+        "scheduling overhead us/chunk: store "
+        f"{_span([float(o['store']) for o in overhead if 'store' in o], 1)}, load "
+        f"{_span([float(o['load']) for o in overhead if 'load' in o], 1)}",
+        f"prefetch vs raw_checksummed: {_span(values('nvme_read', 'ratio_vs_raw_checksummed'))}",
+        f"full tier vs raw_rewrite: {_span(values('nvme_write_full', 'ratio_vs_raw_rewrite'))}, "
+        f"vs kvtier's own nvme_write: {_span(fresh)}",
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("paths", nargs="*", type=Path, default=[RESULTS])
-    ap.add_argument("--check-file-per-chunk", action="store_true")
     args = ap.parse_args()
     sets = default_runs(args.paths)
     if not sets:
@@ -172,14 +213,10 @@ def main() -> None:
     everything = [run for runs in sets.values() for run in runs]
     med = medians(everything)
     print("\nmedian over all runs: " + ", ".join(f"{k} {v:.2f}" for k, v in med.items()))
-    if args.check_file_per_chunk:
-        lows = [
-            float(r["phases"][p]["ratio_vs_file_per_chunk"])
-            for r in everything
-            for p in ("nvme_write", "nvme_read")
-            if "ratio_vs_file_per_chunk" in r["phases"].get(p, {})
-        ]
-        print(f"lowest ratio vs file_per_chunk: {min(lows):.2f} over {len(lows)} figures")
+    print()
+    print("over all runs:")
+    for line in other_figures(everything):
+        print(f"- {line}")
 
 
 if __name__ == "__main__":
