@@ -499,7 +499,8 @@ class NVMeTier:
         ``bytes_allocated`` (rows allocated in segment files, free ones
         included), ``read_bytes``, ``read_seconds``, ``write_bytes``, ``write_seconds``,
         ``read_requests``, ``write_requests``, ``failures_<kind>`` for every
-        kind in :data:`FAILURE_KINDS`, ``checksum_failures``, ``evictions``,
+        kind in :data:`FAILURE_KINDS`, ``checksum_failures`` (the same count as
+        ``failures_checksum``, under the name of its Prometheus counter), ``evictions``,
         ``window_evictions`` (evictions of the writer's own group's key out
         of strict LRU order, see ``eviction_window``), ``direct_io``,
         ``direct_io_fallback``, ``backend``,
