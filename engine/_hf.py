@@ -211,8 +211,22 @@ def _window(config: Any, kind: str) -> int | None:
     return None
 
 
-def _split_like_vllm(types: list[list[int]]) -> list[list[int]]:
-    """Split per-type layer lists into groups of equal layer counts (vLLM's rule)."""
+def split_like_vllm(types: list[list[int]]) -> list[list[int]]:
+    """Split per-type layer lists into groups of equal layer counts (vLLM's rule).
+
+    The group size is the smallest type's layer count, or the largest when
+    it is under 1.25x the smallest; each type of ``n`` layers becomes
+    ``ceil(n / size)`` groups that take its layers in turn (interleaved:
+    ``layers[i::groups]``), as vLLM's ``_get_kv_cache_groups_uniform_page_size``
+    does (vLLM pads a short group with empty layers; kvtier sizes each group
+    by its own layers and needs no padding).
+
+    Args:
+        types: the layer indices of each attention type, in model order.
+
+    Returns:
+        The layer indices of each group, the types' groups in ``types`` order.
+    """
     counts = [len(layers) for layers in types]
     group_size = min(counts)
     if max(counts) < group_size * 1.25:
@@ -282,7 +296,7 @@ def hf_kv_groups(
     kinds: dict[int, str] = {}
     windows: dict[int, int | None] = {}
     layer_index: dict[str, int] = {}
-    for group_id, layers in enumerate(_split_like_vllm(list(spec_of_type.values()))):
+    for group_id, layers in enumerate(split_like_vllm(list(spec_of_type.values()))):
         kind, window, _ = type_of_layer[layers[0]]
         tensors: dict[str, torch.Tensor] = {}
         for layer in layers:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kvtier._hf import split_like_vllm
 from kvtier.errors import InvalidArgumentError
 from kvtier.layout import KVLayout
 
@@ -48,16 +49,14 @@ class ModelShape:
     tokens_per_block: int
 
     def groups(self) -> list[list[int]]:
-        """Layer indices per KV cache group (vLLM: equal layer counts per group)."""
+        """Layer indices per KV cache group, split as vLLM splits them (:func:`split_like_vllm`).
+
+        Layers of one ``kind`` share groups, in order of first appearance.
+        """
         by_kind: dict[str, list[int]] = {}
         for i, layer in enumerate(self.layers):
             by_kind.setdefault(layer.kind, []).append(i)
-        size = math.gcd(*(len(v) for v in by_kind.values())) if len(by_kind) > 1 else None
-        out: list[list[int]] = []
-        for idx in by_kind.values():
-            step = size or len(idx)
-            out.extend(idx[i : i + step] for i in range(0, len(idx), step))
-        return out
+        return split_like_vllm(list(by_kind.values()))
 
     def block_nbytes(self) -> int:
         """Bytes of one block summed over all layers."""
