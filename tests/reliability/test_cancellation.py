@@ -173,9 +173,13 @@ async def test_cancelled_load_during_promotion(tmp_path: pathlib.Path) -> None:
         await asyncio.sleep(0.05)  # the promotion reads are stalled
         assert engine.lookup([c.key for c in cs]) == [kvtier.Residency.PENDING] * 3
         task.cancel()
+        # The cancellation waits for the promotion in flight (load's docstring):
+        # the task is not done while the reads are held.
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        stall.gate.set()
         with pytest.raises(asyncio.CancelledError):
             await task
-        stall.gate.set()
         await at_rest(engine, baseline)
         assert all(gpu.holds_or_untouched(c) for c in cs)
         # the promoted keys stay in CPU slots and load bitwise
