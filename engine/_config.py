@@ -26,6 +26,9 @@ class NVMeConfig:
         root: directory holding one ``<namespace>-<digest16>/`` folder per
             format; created with its parents if missing.
         capacity_bytes: upper bound of row bytes on disk (LRU eviction over rows).
+            Where the filesystem fills up first (ENOSPC, EDQUOT), a new row
+            takes the row of its group's least recently used key instead
+            (``stats().nvme["disk_full_evictions"]``).
         namespace: the user's label (model id, rank); part of the format digest.
         io_backend: ``"auto"`` (kvikio when it imports and a CUDA driver loads,
             else posix), ``"posix"``, ``"kvikio"`` or ``"aio"`` (posix with row

@@ -13,7 +13,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import TYPE_CHECKING, Any
 
 from kvtier._types import OffloadKey
@@ -242,9 +242,10 @@ async def _write_group(
 
     """
     placed: list[WriteJob] = []
+    protect = {job.key for job in jobs}
     for job in jobs:
         if job.ref is NO_ROW:
-            ref = await _take_row(tier, job.key.group_id)
+            ref = await _take_row(tier, job.key.group_id, protect)
             if isinstance(ref, StorageError):
                 results[job.pos] = ref
                 fail(tier, ref.kind)
@@ -340,10 +341,18 @@ async def _grow_step(tier: NVMeTier, group_id: int) -> Exception | None:
     return None
 
 
-async def _take_row(tier: NVMeTier, group_id: int) -> RowRef | StorageError:
+async def _take_row(
+    tier: NVMeTier, group_id: int, protect: Container[OffloadKey]
+) -> RowRef | StorageError:
     """Take a free row for a reservation, growing the group's segments when it has none.
 
-    On a failed growth the reservation is given back and the error returned.
+    When the growth fails because the filesystem is full (ENOSPC, EDQUOT),
+    the row of the group's least recently used evictable key not in
+    ``protect`` is taken instead (:meth:`RowIndex.evict_own`): a tier whose
+    disk holds less than ``capacity_bytes`` keeps storing new keys, as an LRU
+    cache within the space it got, and tries to grow again at its next need.
+    On another failed growth, or with no such key, the reservation is given
+    back and the error returned.
     """
     index = tier._index
     lock = tier._segment_locks.setdefault(group_id, asyncio.Lock())
@@ -353,6 +362,18 @@ async def _take_row(tier: NVMeTier, group_id: int) -> RowRef | StorageError:
                 continue
             exc = await _grow_step(tier, group_id)
             if exc is not None:
+                full = storage_error_kind(exc) == "enospc"  # ENOSPC or EDQUOT
+                if full and (ref := index.evict_own(group_id, protect)) is not None:
+                    if not tier._disk_full_logged:
+                        tier._disk_full_logged = True
+                        log.warning(
+                            "kvtier: the filesystem of %s is full below capacity_bytes (%s): "
+                            "new rows now reuse the rows of their group's least recently "
+                            "used keys (counted as disk_full_evictions)",
+                            tier.directory,
+                            exc,
+                        )
+                    return ref
                 index.unreserve(group_id)
                 return as_storage_error(exc, f"cannot grow the segments of group {group_id}")
             tier._ahead_paused.discard(group_id)

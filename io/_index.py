@@ -134,6 +134,9 @@ class RowIndex:
         evictions: keys evicted by LRU so far.
         window_evictions: those of ``evictions`` that took the writer's own
             group's key out of strict LRU order (``eviction_window``).
+        disk_full_evictions: those of ``evictions`` that took the writer's
+            own group's key because its segments could not grow (the
+            filesystem was full: :meth:`evict_own`).
 
     """
 
@@ -180,6 +183,7 @@ class RowIndex:
         self._seq = 0
         self.evictions = 0
         self.window_evictions = 0
+        self.disk_full_evictions = 0
 
     def row_nbytes(self, group_id: int) -> int:
         """Bytes of one row of a group."""
@@ -369,6 +373,32 @@ class RowIndex:
             seen += 1
             if seen >= window:
                 return None
+        return None
+
+    def evict_own(self, group_id: int, protect: Container[OffloadKey]) -> RowRef | None:
+        """Give a reservation of ``group_id`` that found no row the row of its group's LRU key.
+
+        For a write whose group has no free row and cannot grow (the
+        filesystem is full): the least recently used key of ``group_id`` that
+        is neither pinned (a read in flight) nor in ``protect`` is evicted,
+        wherever it stands in the LRU order, and its row is handed to the
+        writer, who overwrites it in place, as a window eviction's is. The
+        reservation and the evicted key then share that row, so ``bytes_used``
+        drops by one row.
+
+        Returns:
+            The row, now reserved for the caller, or None: no such key (the
+            reservation is unchanged).
+
+        """
+        for key, entry in self._lru.items():
+            if key.group_id != group_id or key in protect or entry.ref in self._pins:
+                continue
+            del self._lru[key]
+            self.evictions += 1
+            self.disk_full_evictions += 1
+            self.bytes_used -= self._row_nbytes[group_id]
+            return entry.ref
         return None
 
     def unreserve(self, group_id: int) -> None:

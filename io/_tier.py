@@ -247,6 +247,7 @@ class NVMeTier:
         self._counts.update(invalid_rows_at_open=0, invalid_segments_at_open=0)
         self._counts.update(read_requests=0, write_requests=0, direct_io_fallback=0)
         self._counts.update(reclaim_failures=0)
+        self._disk_full_logged = False  # warned once that the filesystem filled up
 
     # -- sizes ------------------------------------------------------------------
 
@@ -502,7 +503,10 @@ class NVMeTier:
         kind in :data:`FAILURE_KINDS`, ``checksum_failures`` (the same count as
         ``failures_checksum``, under the name of its Prometheus counter), ``evictions``,
         ``window_evictions`` (evictions of the writer's own group's key out
-        of strict LRU order, see ``eviction_window``), ``direct_io``,
+        of strict LRU order, see ``eviction_window``), ``disk_full_evictions``
+        (evictions of the writer's own group's least recently used key
+        because its segments could not grow: the filesystem was full below
+        ``capacity_bytes``), ``direct_io``,
         ``direct_io_fallback``, ``backend``,
         ``invalid_rows_at_open``, ``invalid_segments_at_open``, ``segments``,
         ``reclaim_failures`` (stale rows whose trailer could not be blanked).
@@ -518,6 +522,7 @@ class NVMeTier:
             checksum_failures=int(self._counts["failures_checksum"]),
             evictions=self._index.evictions,
             window_evictions=self._index.window_evictions,
+            disk_full_evictions=self._index.disk_full_evictions,
             direct_io=bool(self._row_io is not None and self._row_io.direct),
             backend=self._row_io.name if self._row_io is not None else "",
             segments=len(self._segments),

@@ -34,8 +34,8 @@ class IndexMachine(RuleBasedStateMachine):
         self.pinned: list[RowRef] = []
         self.published: dict[OffloadKey, int] = {}
 
-    @rule(k=st.sampled_from(KEYS), grow_fails=st.booleans())
-    def write(self, k: OffloadKey, grow_fails: bool) -> None:
+    @rule(k=st.sampled_from(KEYS), grow=st.sampled_from(["ok", "fails", "disk_full"]))
+    def write(self, k: OffloadKey, grow: str) -> None:
         g = k.group_id
         pins = set(self.pinned)
         evictable = [
@@ -68,11 +68,26 @@ class IndexMachine(RuleBasedStateMachine):
             plan = self.index.plan_growth(g)
             assert plan.group_id == g
             assert plan.start < plan.stop <= plan.num_rows
-            if grow_fails:
-                self.index.abandon_growth(plan)
-                self.index.unreserve(g)
-                return
-            self.index.commit_growth(plan)
+            if grow == "ok":
+                self.index.commit_growth(plan)
+                continue
+            self.index.abandon_growth(plan)
+            if grow == "disk_full":  # the row of the group's oldest evictable key, if any
+                pins = set(self.pinned)
+                oldest = [
+                    key
+                    for key in self.index.lru_keys()
+                    if key.group_id == g and key != k and self.index.lookup(key).ref not in pins
+                ][:1]
+                rows = {key: self.index.lookup(key).ref for key in oldest}
+                ref = self.index.evict_own(g, {k})
+                if oldest:
+                    assert ref == rows[oldest[0]]
+                    assert self.index.lookup(oldest[0]) is None
+                    break
+                assert ref is None
+            self.index.unreserve(g)
+            return
         assert ref.group_id == g
         self.reserved.append((k, ref, self.index.begin_write(k)))
 

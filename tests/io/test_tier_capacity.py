@@ -230,44 +230,98 @@ def small_fs(request, tmp_path) -> Iterator[tuple[pathlib.Path, Any]]:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=10)
 
 
-async def test_small_filesystem_fails_only_the_keys_that_do_not_fit(small_fs, slots) -> None:
+async def test_small_filesystem_evicts_each_groups_oldest_keys_once_full(small_fs, slots) -> None:
+    """A filesystem smaller than ``capacity_bytes``: once it is full, growth fails
+    (ENOSPC) and each new row takes the row of its group's least recently used key
+    (``disk_full_evictions``), so the tier goes on storing as an LRU cache within the
+    space it got. Until session 13 every such write failed with ``enospc`` and the
+    tier kept its oldest keys for good."""
     root, wrapper = small_fs
     tier = NVMeTier(
         **tier_kwargs(root, capacity_bytes=64 << 20, row_io_wrapper=wrapper, segment_nbytes=2 << 20)
     )
     await tier.open()
-    stored: list[OffloadKey] = []
-    failed: list[OffloadKey] = []
+    written: dict[int, list[OffloadKey]] = {0: [], 1: [], 2: []}  # per group, in write order
     buf = slots(12)
     for batch in range(60):  # 60 * 12 rows of 8..20 KiB: ~12 MiB > 8 MiB
         keys = [key(batch * 12 + j, j % 3) for j in range(12)]
         rows = [
             (k, 0, 4, buf.fill(j, payload(k, GROUP_NBYTES[k.group_id]))) for j, k in enumerate(keys)
         ]
-        results = await tier.write_rows(rows)
-        for k, r in zip(keys, results, strict=True):
-            if r is None:
-                stored.append(k)
-            else:
-                assert isinstance(r, StorageError)
-                assert r.kind == "enospc", r
-                failed.append(k)
-        with contextlib.suppress(StorageError):
-            await tier.flush()
-    assert len(stored) > 200
-    assert len(failed) > 100
+        assert await tier.write_rows(rows) == [None] * 12
+        for k in keys:
+            written[k.group_id].append(k)
+        await tier.flush()
     st = tier.stats()
-    assert st["failures_enospc"] == len(failed)
-    assert st["evictions"] == 0  # far below capacity_bytes: nothing was evicted
-    assert set(tier.keys()) == set(stored)
+    assert st["failures_enospc"] == 0
+    assert st["disk_full_evictions"] > 100
+    assert st["evictions"] == st["disk_full_evictions"]  # far below capacity_bytes
+    resident = set(tier.keys())
+    assert len(resident) == 720 - st["evictions"]
+    for keys in written.values():  # each group keeps its most recently written keys
+        n = sum(k in resident for k in keys)
+        assert n > 0
+        assert set(keys[len(keys) - n :]) <= resident
     assert not [p for p in tier.directory.rglob("*") if p.name.endswith(".tmp")]
-    out = slots(len(stored))
-    got = await tier.read_rows([(k, out[i]) for i, k in enumerate(stored)])
-    assert got == [(0, 4)] * len(stored)
-    for i, k in enumerate(stored):
+    kept = sorted(resident, key=lambda k: k.block_hash)
+    out = slots(len(kept))
+    got = await tier.read_rows([(k, out[i]) for i, k in enumerate(kept)])
+    assert got == [(0, 4)] * len(kept)
+    for i, k in enumerate(kept):
         assert bytes(out[i][: GROUP_NBYTES[k.group_id]]) == payload(k, GROUP_NBYTES[k.group_id])
     await tier.close()
     tier = NVMeTier(**tier_kwargs(root, capacity_bytes=64 << 20, row_io_wrapper=wrapper))
     await tier.open()
-    assert set(tier.keys()) == set(stored)
+    assert set(tier.keys()) == resident  # no evicted key comes back
+    assert tier.stats()["invalid_rows_at_open"] == 0
+    await tier.close()
+
+
+async def test_full_filesystem_never_evicts_keys_of_the_same_call_and_grows_again(
+    tmp_path, slots
+) -> None:
+    """A write that finds its filesystem full takes the row of its group's oldest key,
+    but never one of the same ``write_rows`` call (those are not resident yet) nor
+    another group's: with every older key of the group gone, the next row fails with
+    ``enospc``. Once space is free again, the group grows instead of evicting."""
+    holder: list[_SmallFilesystem] = []
+
+    def wrapper(inner: RowIO) -> RowIO:
+        holder.append(_SmallFilesystem(inner, limit=512 << 10))
+        return holder[-1]
+
+    kw = tier_kwargs(tmp_path, row_io_wrapper=wrapper, segment_nbytes=256 << 10, grow_ahead=False)
+    tier = NVMeTier(**kw)
+    await tier.open()
+    buf = slots(128)
+
+    def rows(keys: list[OffloadKey]) -> list[Any]:
+        return [
+            (k, 0, 4, buf.fill(i, payload(k, GROUP_NBYTES[k.group_id]))) for i, k in enumerate(keys)
+        ]
+
+    other = [key(1000 + i, 0) for i in range(4)]
+    assert await tier.write_rows(rows(other)) == [None] * 4
+    n = 0
+    while tier.stats()["disk_full_evictions"] == 0:  # fill group 1 until the filesystem is full
+        assert await tier.write_rows(rows([key(n + i, 1) for i in range(8)])) == [None] * 8
+        n += 8
+        assert n < 1000
+    resident = tier.keys()
+    held = sum(k.group_id == 1 for k in resident)  # every row group 1 has
+    assert 4 <= held < 128
+    fresh = [key(5000 + i, 1) for i in range(held + 1)]
+    out = await tier.write_rows(rows(fresh))
+    assert out[:held] == [None] * held
+    assert isinstance(out[held], StorageError)
+    assert out[held].kind == "enospc"
+    assert set(tier.keys()) == set(other) | set(fresh[:held])  # group 0 untouched
+    assert tier.stats()["failures_enospc"] == 1
+    # Space comes back: the group grows again instead of evicting its keys.
+    holder[0].limit = 64 << 20
+    evicted = tier.stats()["disk_full_evictions"]
+    more = [key(9000 + i, 1) for i in range(8)]
+    assert await tier.write_rows(rows(more)) == [None] * 8
+    assert tier.stats()["disk_full_evictions"] == evicted
+    assert set(fresh[:held]) | set(more) <= set(tier.keys())
     await tier.close()
