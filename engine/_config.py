@@ -79,6 +79,10 @@ class NVMeConfig:
         _positive_int("NVMeConfig.eviction_window", self.eviction_window)
         if not isinstance(self.grow_ahead, bool):
             raise ConfigError(f"NVMeConfig.grow_ahead must be a bool, got {self.grow_ahead!r}")
+        if self.row_io_wrapper is not None and not callable(self.row_io_wrapper):
+            raise ConfigError(
+                f"NVMeConfig.row_io_wrapper must be a callable or None, got {self.row_io_wrapper!r}"
+            )
         _positive_int("NVMeConfig.io_threads", self.io_threads)
         _positive_int("NVMeConfig.segment_nbytes", self.segment_nbytes)
         if self.segment_nbytes < 2 * 4096:
@@ -148,3 +152,7 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.eviction {self.eviction!r} not in lru/arc")
         if self.nvme is not None and not isinstance(self.nvme, NVMeConfig):
             raise ConfigError("EngineConfig.nvme must be an NVMeConfig or None")
+        for name in ("pin_memory", "write_through"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ConfigError(f"EngineConfig.{name} must be a bool, got {value!r}")

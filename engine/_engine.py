@@ -628,7 +628,8 @@ class TransferEngine:
             :class:`StoreResult` with ``stored``, ``skipped`` and ``rejected`` keys.
 
         Raises:
-            InvalidArgumentError: bad chunks (subclasses name the rule); nothing changed.
+            InvalidArgumentError: bad chunks (subclasses name the rule), or
+                ``durable`` not a bool; nothing changed.
             ConfigError: ``durable`` on an engine without an NVMe tier; nothing changed.
             EngineClosedError: the engine is not open.
             NotDurableError: ``durable`` and rows of the call's keys could not
@@ -637,6 +638,8 @@ class TransferEngine:
 
         """
         self._check_open()
+        if not isinstance(durable, bool):
+            raise InvalidArgumentError(f"store(durable=...) must be a bool, got {durable!r}")
         if durable and self.config.nvme is None:
             raise ConfigError("store(durable=True) needs an NVMe tier (EngineConfig.nvme)")
         chunks = self._validate(chunks, load=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +78,13 @@ class OffloadKey:
     def __hash__(self) -> int:
         return self._hash
 
+    def __eq__(self, other: object) -> bool:
+        # Any OffloadKey naming the same (block_hash, group_id) is the same key,
+        # an instance of a subclass too (the generated __eq__ wants one class).
+        if isinstance(other, OffloadKey):
+            return self.group_id == other.group_id and self.block_hash == other.block_hash
+        return NotImplemented
+
     def __repr__(self) -> str:
         # Hex, not a bytes literal: readable in logs and error messages, and eval()-able.
         hex_ = self.block_hash.hex()
@@ -95,8 +102,11 @@ class OffloadKey:
         self.__post_init__()
 
 
-def _bool(value: bool) -> bool:
-    raise TypeError(f"{value!r} is a bool, not a block id")
+def _block_id(value: Any) -> int:
+    """``operator.index(value)``, refusing booleans (Python, NumPy and torch bools)."""
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
+        raise TypeError(f"{value!r} is a bool, not a block id")
+    return operator.index(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +121,9 @@ class Chunk:
         offset: index of the first sub-block inside the chunk (``>= 0``).
 
     Raises:
-        BlockIdError: ``block_ids`` is not a sequence of ints (floats, strings,
-            bools and None are rejected, never truncated).
+        BlockIdError: ``block_ids`` is not an ordered sequence of ints (floats,
+            strings, bools, bool tensors and None are rejected, never
+            truncated; so are sets and mappings, which have no order).
         ChunkRangeError: ``block_ids`` is empty or ``offset`` negative.
 
     """
@@ -124,12 +135,17 @@ class Chunk:
     def __init__(self, key: OffloadKey, block_ids: Sequence[int], offset: int = 0) -> None:
         if not isinstance(key, OffloadKey):
             raise InvalidArgumentError(f"Chunk.key must be an OffloadKey, got {type(key).__name__}")
-        if isinstance(block_ids, str | bytes) or not isinstance(block_ids, Iterable):
+        if (
+            isinstance(block_ids, str | bytes | Set | Mapping)  # no order, or not ints
+            or not isinstance(block_ids, Iterable)
+            or "bool" in str(getattr(block_ids, "dtype", ""))  # a mask, not a block table
+        ):
             raise BlockIdError(
-                f"Chunk for {key}: block_ids must be a sequence of ints, got {block_ids!r:.80}"
+                f"Chunk for {key}: block_ids must be an ordered sequence of ints, "
+                f"got {block_ids!r:.80}"
             )
         try:
-            ids = tuple(operator.index(b) for b in block_ids if not isinstance(b, bool) or _bool(b))
+            ids = tuple(b if type(b) is int else _block_id(b) for b in block_ids)
         except TypeError as exc:
             raise BlockIdError(f"Chunk for {key}: block_ids must be ints: {exc}") from None
         if not ids:

@@ -283,6 +283,7 @@ def _check_names_are_unique(groups: Mapping[Any, Any]) -> None:
             if (
                 not isinstance(tensor, torch.Tensor)
                 or tensor.layout != torch.strided
+                or tensor.is_nested
                 or tensor.device.type == "meta"
             ):
                 continue  # reported with its layer
@@ -354,14 +355,26 @@ class KVLayout:
         """
         if not isinstance(groups, Mapping) or not groups:
             raise LayoutError("KVLayout needs at least one group of layer tensors")
-        payload_nbytes = dict(payload_nbytes or {})
+        for group_id, layers in groups.items():
+            if not isinstance(layers, Mapping) or not layers:
+                raise LayoutError(f"group {group_id!r} has no {{layer_name: tensor}} mapping")
+            for name in layers:
+                if not isinstance(name, str) or not name:
+                    raise LayoutError(f"group {group_id!r}: layer names must be str, got {name!r}")
+        if payload_nbytes is None:
+            payload_nbytes = {}
+        elif not isinstance(payload_nbytes, Mapping):
+            raise LayoutError(
+                f"payload_nbytes must be {{layer_name: bytes}} or None, got {payload_nbytes!r:.80}"
+            )
+        payload_nbytes = dict(payload_nbytes)
         known_names = {n for layers in groups.values() for n in layers}
         unknown = set(payload_nbytes) - known_names
         if unknown:
-            raise LayoutError(f"payload_nbytes names unknown layers: {sorted(unknown)}")
+            raise LayoutError(f"payload_nbytes names unknown layers: {sorted(map(repr, unknown))}")
         if isinstance(block_dim, Mapping) and set(block_dim) - known_names:
             raise LayoutError(
-                f"block_dim names unknown layers: {sorted(set(block_dim) - known_names)}"
+                f"block_dim names unknown layers: {sorted(map(repr, set(block_dim) - known_names))}"
             )
         _check_names_are_unique(groups)
         device: torch.device | None = None
@@ -393,7 +406,12 @@ class KVLayout:
                         f"layer {name!r}: a lazy conj/neg view; register tensor.resolve_conj()"
                         " / .resolve_neg() (its bytes are not the values)"
                     )
-                if tensor.is_sparse or tensor.device.type == "meta" or tensor.is_quantized:
+                if (
+                    tensor.layout != torch.strided  # sparse (COO, CSR, ...) or nested
+                    or tensor.is_nested
+                    or tensor.device.type == "meta"
+                    or tensor.is_quantized
+                ):
                     raise LayoutError(
                         f"layer {name!r}: {tensor.device}/{tensor.layout} tensors are not supported"
                     )
@@ -473,7 +491,8 @@ class KVLayout:
         if isinstance(tokens_per_block, Mapping):
             extra = set(tokens_per_block) - set(built)
             if extra:
-                raise LayoutError(f"tokens_per_block names unknown groups: {sorted(extra)}")
+                names = sorted(map(repr, extra))
+                raise LayoutError(f"tokens_per_block names unknown groups: {names}")
         assert device is not None
         return cls(built, device)
 

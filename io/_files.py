@@ -111,8 +111,11 @@ def prepare_directory(root: pathlib.Path, directory: pathlib.Path, format_json: 
         NamespaceLockedError: another live process (or tier) holds the lock.
 
     """
-    if root.exists() and not root.is_dir():
-        raise ConfigError(f"NVMe root {str(root)!r} exists and is not a directory")
+    try:
+        if root.exists() and not root.is_dir():
+            raise ConfigError(f"NVMe root {str(root)!r} exists and is not a directory")
+    except OSError as exc:  # ENAMETOOLONG, ELOOP, EACCES on a parent, ...
+        raise ConfigError(f"NVMe root {str(root)!r} is unusable: {exc}") from exc
     for _ in range(3):
         fd = _lock_directory(directory)
         if fd is not None:

@@ -369,6 +369,11 @@ class NVMeTier:
             )
             self._counts["direct_io_fallback"] = int(direct_io == "auto" and not inner.direct)
             self._row_io = wrapper(inner) if wrapper is not None else inner
+            if not all(callable(getattr(self._row_io, m, None)) for m in ("preadv", "pwritev")):
+                raise ConfigError(
+                    f"row_io_wrapper returned {self._row_io!r:.80}, not a RowIO "
+                    "(preadv, pwritev, open, ...)"
+                )
             if submits(self._row_io):  # a wrapper without submit_* gets blocking calls
                 self._aio = cast("SubmittingRowIO", self._row_io)
             await _batches.scan(self)
