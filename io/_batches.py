@@ -318,7 +318,7 @@ async def _grow_ahead(tier: NVMeTier, group_id: int, lock: asyncio.Lock) -> None
     async with lock:
         if not tier._index.wants_growth(group_id):
             return
-        exc = await _grow_step(tier, group_id)
+        exc, _ = await _grow_step(tier, group_id)
         if exc is not None:
             tier._ahead_paused.add(group_id)
             log.info(
@@ -326,19 +326,25 @@ async def _grow_ahead(tier: NVMeTier, group_id: int, lock: asyncio.Lock) -> None
             )
 
 
-async def _grow_step(tier: NVMeTier, group_id: int) -> Exception | None:
-    """Grow a group by one planned step (caller holds its segment lock); the error or None."""
+async def _grow_step(
+    tier: NVMeTier, group_id: int, max_rows: int | None = None
+) -> tuple[Exception | None, int]:
+    """Grow a group by one planned step (caller holds its segment lock).
+
+    Returns:
+        ``(the error or None, the rows the step planned)``.
+    """
     index = tier._index
-    plan = index.plan_growth(group_id)
+    plan = index.plan_growth(group_id, max_rows)
     try:
         if index.over_budget:  # first punch free rows the workload left (never raises)
             await reclaim(tier)
         await grow(tier, plan)
     except Exception as exc:
         index.abandon_growth(plan)
-        return exc
+        return exc, plan.stop - plan.start
     index.commit_growth(plan)
-    return None
+    return None, plan.stop - plan.start
 
 
 async def _take_row(
@@ -346,11 +352,12 @@ async def _take_row(
 ) -> RowRef | StorageError:
     """Take a free row for a reservation, growing the group's segments when it has none.
 
-    When the growth fails because the filesystem is full (ENOSPC, EDQUOT),
-    the row of the group's least recently used evictable key not in
-    ``protect`` is taken instead (:meth:`RowIndex.evict_own`): a tier whose
-    disk holds less than ``capacity_bytes`` keeps storing new keys, as an LRU
-    cache within the space it got, and tries to grow again at its next need.
+    When a growth step fails because the filesystem is full (ENOSPC,
+    EDQUOT), one row is tried; when that fails too, the row of the group's
+    least recently used evictable key not in ``protect`` is taken instead
+    (:meth:`RowIndex.evict_own`): a tier whose disk holds less than
+    ``capacity_bytes`` keeps storing new keys, as an LRU cache within the
+    space it got, and tries to grow again at its next need.
     On another failed growth, or with no such key, the reservation is given
     back and the error returned.
     """
@@ -360,9 +367,12 @@ async def _take_row(
         async with lock:
             if index.free_rows(group_id):
                 continue
-            exc = await _grow_step(tier, group_id)
+            exc, rows = await _grow_step(tier, group_id)
+            full = exc is not None and storage_error_kind(exc) == "enospc"  # or EDQUOT
+            if full and rows > 1:  # a whole step did not fit: one row may
+                exc, _ = await _grow_step(tier, group_id, max_rows=1)
+                full = exc is not None and storage_error_kind(exc) == "enospc"
             if exc is not None:
-                full = storage_error_kind(exc) == "enospc"  # ENOSPC or EDQUOT
                 if full and (ref := index.evict_own(group_id, protect)) is not None:
                     if not tier._disk_full_logged:
                         tier._disk_full_logged = True
@@ -390,7 +400,13 @@ async def grow(tier: NVMeTier, plan: Growth) -> None:
     spec = tier._specs[plan.group_id]
     if not plan.new:
         handle = tier._segments[(plan.group_id, plan.segment)]
-        await tier._run_meta(_files.grow_segment, tier._row_io, handle, spec.row_offset(plan.stop))
+        await tier._run_meta(
+            _files.grow_segment,
+            tier._row_io,
+            handle,
+            spec.row_offset(plan.stop),
+            spec.row_offset(plan.start),
+        )
         return
     header = encode_header(
         SegmentHeader(

@@ -341,14 +341,27 @@ def create_segment(
     return handle
 
 
-def grow_segment(row_io: RowIO, handle: Any, nbytes: int) -> None:
+def grow_segment(row_io: RowIO, handle: Any, nbytes: int, before: int | None = None) -> None:
     """Allocate a segment file up to ``nbytes`` (new rows read as zeros: blank trailers).
+
+    A failed allocation may have extended the file with some of the blocks
+    (ext4 keeps what ``fallocate`` got before ENOSPC): the file is then cut
+    back to ``before`` bytes, its size before the call, which gives them
+    back (no row beyond it is in use: growths of a group are serialized).
 
     Raises:
         OSError: e.g. ENOSPC (the file keeps its previous rows).
 
     """
-    row_io.allocate(handle, nbytes)
+    try:
+        row_io.allocate(handle, nbytes)
+    except OSError:
+        if before is not None:
+            with contextlib.suppress(OSError, AttributeError):
+                fd = handle if isinstance(handle, int) else handle.fd
+                if isinstance(fd, int) and os.fstat(fd).st_size > before:
+                    os.ftruncate(fd, before)
+        raise
 
 
 _FS_IOC_FIEMAP = 0xC020660B  # _IOWR('f', 11, struct fiemap), linux/fs.h

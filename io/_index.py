@@ -262,19 +262,22 @@ class RowIndex:
         """Never hand out ``segment`` (an unusable file with that number exists)."""
         self._next_segment[group_id] = max(self._next_segment[group_id], segment + 1)
 
-    def plan_growth(self, group_id: int) -> Growth:
+    def plan_growth(self, group_id: int, max_rows: int | None = None) -> Growth:
         """Plan allocating more rows for a group: extend a segment or start a new one.
 
         The step is ``grow_rows`` rows, fewer where :attr:`growth_held_nbytes`
         would exceed ``disk_budget_nbytes`` (never fewer than one row; rows
         punched in other groups hold no blocks, so they leave room once
-        their punch is done),
+        their punch is done), at most ``max_rows`` when given (a step that
+        did not fit on the filesystem is tried again as one row),
         and never beyond a segment's ``num_rows``. The caller serializes growths of a group,
         performs the I/O, then calls :meth:`commit_growth` or :meth:`abandon_growth`.
         """
         row = self._row_nbytes[group_id]
         room = (self.disk_budget_nbytes - self.growth_held_nbytes) // row
         want = max(1, min(self._grow_rows[group_id], room))
+        if max_rows is not None:
+            want = max(1, min(want, max_rows))
         for seg, (num_rows, allocated) in sorted(self._segments[group_id].items()):
             if allocated < num_rows:
                 stop = min(num_rows, allocated + want)

@@ -213,7 +213,8 @@ async def test_failed_growth_ahead_fails_no_key_and_on_demand_growth_reports_it(
     assert err.kind == "enospc"  # the write that needed a row reports it
     assert tier.stats()["failures_enospc"] == 1
     await tier.drain()
-    assert fault.hits == len(GROUP_NBYTES) + 1  # no more growth ahead for that group
+    # the on-demand step, then one row (session 13); no more growth ahead for that group
+    assert fault.hits == len(GROUP_NBYTES) + 2
     fault.times = fault.hits  # room again
     assert await tier.write_rows([row]) == [None]
     await tier.drain()
@@ -223,14 +224,24 @@ async def test_failed_growth_ahead_fails_no_key_and_on_demand_growth_reports_it(
 
 
 async def test_segment_creation_enospc(open_tier, slots) -> None:
-    wrap, _ = _wrapped([Fault("allocate", "errno", err=errno.ENOSPC, times=1)])
+    # the step and its one-row retry both fail (session 13: a step that did not fit
+    # is tried again as one row before the write fails or evicts)
+    fault = Fault("allocate", "errno", err=errno.ENOSPC, times=2)
+    wrap, _ = _wrapped([fault])
     tier = await open_tier(row_io_wrapper=wrap, grow_ahead=False)  # creation on demand
-    buf = slots(1)
+    buf = slots(2)
     (err,) = await tier.write_rows([(key(0), 0, 4, buf.fill(0, payload(key(0), GROUP_NBYTES[0])))])
     assert err.kind == "enospc"
+    assert fault.hits == 2
     assert tier.stats()["bytes_used"] == 0
-    assert not list((tier.directory / "g0").glob("*"))  # the temp file was removed
+    assert not list((tier.directory / "g0").glob("*"))  # the temp files were removed
     assert await tier.write_rows([(key(0), 0, 4, buf[0])]) == [None]
+    # one failure only: the one-row retry creates the segment and the write succeeds
+    fault.times = fault.hits + 1
+    (ok,) = await tier.write_rows([(key(1, 1), 0, 4, buf.fill(1, payload(key(1, 1), 4096)))])
+    assert ok is None
+    assert fault.hits == 3
+    assert tier.stats()["failures_enospc"] == 1
 
 
 async def test_flush_failure_keeps_segments_dirty(open_tier, slots) -> None:
