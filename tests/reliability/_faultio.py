@@ -9,8 +9,11 @@ may leave garbage in the slot, which the tier must never use).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import json
 import os
+import pathlib
 import threading
 import time
 from collections.abc import Sequence
@@ -188,3 +191,32 @@ async def until_set(event: threading.Event, what: str = "the held I/O never star
 def rig_factory(cls: Any, holder: list[Any]) -> Any:
     """A ``row_io_wrapper`` that wraps the backend in ``cls`` and appends the rig to ``holder``."""
     return lambda inner: holder.append(cls(inner)) or holder[-1]
+
+
+def kill_log(
+    log_path: pathlib.Path, err_path: pathlib.Path, history: dict[tuple[str, int], set[int]]
+) -> tuple[list[dict[str, Any]], int, dict[tuple[str, int], set[int]]]:
+    """Read the JSON-lines log of a child killed with SIGKILL (the last line may be cut).
+
+    ``{"w": [hash, group, seq]}`` lines are writes (added to ``history``),
+    ``{"flushed": [[hash, group, seq], ...]}`` lines the keys a flush covered
+    (``seq < 0``: any write of that key seen so far).
+
+    Returns:
+        ``(entries, index of the last flush, {(hash, group): sequence numbers
+        a restart may find for a key that flush covered})``.
+    """
+    entries = []
+    for text in log_path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):  # the line the kill cut
+            entries.append(json.loads(text))
+    last = max((i for i, e in enumerate(entries) if "flushed" in e), default=None)
+    assert last is not None, (len(entries), err_path.read_text()[-2000:])
+    for e in entries:
+        if "w" in e:
+            h, g, s = e["w"]
+            history.setdefault((h, g), set()).add(s)
+    allowed: dict[tuple[str, int], set[int]] = {
+        (h, g): ({s} if s >= 0 else set(history[(h, g)])) for h, g, s in entries[last]["flushed"]
+    }
+    return entries, last, allowed

@@ -44,13 +44,14 @@ import kvtier
 from kvtier import OffloadKey
 from kvtier.errors import StorageError
 from kvtier.io import NVMeTier, RowIO
-from kvtier.io._index import RowIndex, RowRef
+from kvtier.io._index import RowIndex
 
 from ..io.conftest import Slots, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
-from ._faultio import rig_factory, until_set
+from ._faultio import kill_log, rig_factory, until_set
 from ._model import Gpu, chunks_for, engine_config, load_check, nvme_config, store_ok
 from ._model import key as model_key
+from .test_review_window11 import _states as window11_states
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TRAILER = 4096
@@ -238,21 +239,7 @@ def _files(tier: NVMeTier) -> tuple[int, int, int]:
 
 def _states(index: RowIndex) -> None:
     """Nothing in flight: every allocated row in exactly one state; bytes_used adds up."""
-    free = [r for heap in index._free.values() for r in heap]
-    visible = [e.ref for e in index._lru.values()]
-    every = free + list(index._stale) + visible + list(index._zombies)
-    assert len(every) == len(set(every)), "a row in two states"
-    allocated = {
-        RowRef(g, s, i)
-        for g, segs in index._segments.items()
-        for s, (_, n) in segs.items()
-        for i in range(n)
-    }
-    assert set(every) == allocated, set(every) ^ allocated
-    rows = index.row_nbytes
-    assert index.allocated_nbytes == sum(rows(r.group_id) for r in allocated)
-    assert index.bytes_used == sum(rows(r.group_id) for r in visible + list(index._zombies))
-    assert index.bytes_used <= index.capacity_bytes
+    window11_states(index)
     assert not index._pins
     assert not index._pending
 
@@ -1046,20 +1033,7 @@ def test_sigkill_while_writing_into_a_full_filesystem(tmpfs, tmp_path, mode) -> 
                 os.kill(proc.pid, signal.SIGKILL)
             proc.communicate(timeout=30)
         assert alive, err_path.read_text()[-3000:]
-        entries = []
-        for text in log_path.read_text().splitlines():
-            with contextlib.suppress(json.JSONDecodeError):  # the line the kill cut
-                entries.append(json.loads(text))
-        last = max((i for i, e in enumerate(entries) if "flushed" in e), default=None)
-        assert last is not None, (len(entries), err_path.read_text()[-2000:])
-        for e in entries:
-            if "w" in e:
-                h, g, s = e["w"]
-                history.setdefault((h, g), set()).add(s)
-        allowed: dict[tuple[str, int], set[int]] = {
-            (h, g): ({s} if s >= 0 else set(history[(h, g)]))
-            for h, g, s in entries[last]["flushed"]
-        }
+        entries, last, allowed = kill_log(log_path, err_path, history)
         after: set[tuple[str, int]] = set()
         writes_after = 0
         for e in entries[last + 1 :]:

@@ -20,7 +20,6 @@ Two bugs it found are fixed; their tests (``test_fixed_...``) failed before the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import json
 import os
@@ -43,7 +42,7 @@ from kvtier.io import NVMeTier, RowIO
 
 from ..io.conftest import Slots, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
-from ._faultio import rig_factory, until_set
+from ._faultio import kill_log, rig_factory, until_set
 from .test_review_window11 import _states  # nothing in flight: every row in one state
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -740,20 +739,7 @@ def test_sigkill_with_unequal_rows_never_gives_wrong_bytes_or_brings_back_old_ke
             time.sleep(rng.uniform(0.5, 1.5))
             os.kill(proc.pid, signal.SIGKILL)
             proc.communicate(timeout=30)
-        entries = []
-        for text in log_path.read_text().splitlines():
-            with contextlib.suppress(json.JSONDecodeError):  # the line the kill cut
-                entries.append(json.loads(text))
-        last = max((i for i, e in enumerate(entries) if "flushed" in e), default=None)
-        assert last is not None, (len(entries), err_path.read_text()[-2000:])
-        for e in entries:
-            if "w" in e:
-                h, g, s = e["w"]
-                history.setdefault((h, g), set()).add(s)
-        allowed: dict[tuple[str, int], set[int]] = {
-            (h, g): ({s} if s >= 0 else set(history[(h, g)]))
-            for h, g, s in entries[last]["flushed"]
-        }
+        entries, last, allowed = kill_log(log_path, err_path, history)
         for e in entries[last + 1 :]:
             h, g, s = e["w"]
             allowed.setdefault((h, g), set()).add(s)
