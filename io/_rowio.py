@@ -15,6 +15,7 @@ import importlib.util
 import logging
 import mmap
 import os
+import pathlib
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -459,7 +460,9 @@ def probe_direct_io(probe_dir: str | os.PathLike[str]) -> bool:
                 return False
             try:
                 ok = os.pwritev(fd, [out], 0) == ALIGN and os.preadv(fd, [back], 0) == ALIGN
-            except OSError:
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # a full filesystem: read only
+                    return _probe_direct_read(probe_dir, back)
                 return False
             finally:
                 os.close(fd)
@@ -467,6 +470,26 @@ def probe_direct_io(probe_dir: str | os.PathLike[str]) -> bool:
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+
+def _probe_direct_read(probe_dir: str | os.PathLike[str], buf: mmap.mmap) -> bool:
+    """Whether an O_DIRECT read of a segment file's first 4 KiB returns its bytes.
+
+    The probe of a full filesystem, where the write probe cannot allocate a
+    block: False when the folder holds no segment file yet.
+    """
+    for path in sorted(pathlib.Path(probe_dir).glob("g*/*.kvrows"))[:1]:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+            try:
+                n = os.preadv(fd, [buf], 0)
+            finally:
+                os.close(fd)
+            with open(path, "rb") as f:
+                return n == ALIGN and buf[:] == f.read(ALIGN)
+        except OSError:
+            return False
+    return False
 
 
 def select_backend(

@@ -426,17 +426,12 @@ async def test_bug_a_failed_growth_on_ext4_keeps_blocks_the_tier_never_uses(ext4
     assert st["invalid_rows_at_open"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: a tier that kept working on a full filesystem cannot be reopened with "
-        "direct_io='on' (ConfigError: 'O_DIRECT does not work'): open() probes O_DIRECT by "
-        "writing a new 4 KiB file, which fails with ENOSPC; with direct_io='auto' the "
-        "restarted tier silently falls back to buffered I/O (direct_io_fallback=1) and "
-        "io_backend='aio' cannot open at all. Expected: a full filesystem changes nothing "
-        "at open (e.g. probe on an existing segment, or tell ENOSPC from 'O_DIRECT fails')"
-    ),
-)
+# Fixed in session 13 (was a strict xfail): a tier that kept working on a full filesystem cannot
+# be reopened with direct_io='on' (ConfigError: 'O_DIRECT does not work'): open() probes
+# O_DIRECT by writing a new 4 KiB file, which fails with ENOSPC; with direct_io='auto' the
+# restarted tier silently falls back to buffered I/O (direct_io_fallback=1) and io_backend='aio'
+# cannot open at all. Expected: a full filesystem changes nothing at open (e.g. probe on an
+# existing segment, or tell ENOSPC from 'O_DIRECT fails')
 async def test_bug_a_full_filesystem_cannot_be_reopened_with_direct_io(ext4, slots) -> None:
     mnt = ext4(8 << 20)
     root = mnt / "nvme"
