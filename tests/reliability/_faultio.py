@@ -16,13 +16,16 @@ import os
 import pathlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier import OffloadKey
 from kvtier.errors import StorageError
-from kvtier.io import RowIO
+from kvtier.io import NVMeTier, RowIO
 from kvtier.io._format import TRAILER_NBYTES, decode_trailer
+
+from ..io.conftest import Slots
 
 
 @dataclass
@@ -220,3 +223,18 @@ def kill_log(
         (h, g): ({s} if s >= 0 else set(history[(h, g)])) for h, g, s in entries[last]["flushed"]
     }
     return entries, last, allowed
+
+
+async def snapshot(
+    tier: NVMeTier, nbytes: Mapping[int, int], slot_nbytes: int
+) -> dict[OffloadKey, bytes | None]:
+    """Every visible key's first ``nbytes[group]`` payload bytes (None: its read failed)."""
+    buf = Slots(1, slot_nbytes)
+    try:
+        out: dict[OffloadKey, bytes | None] = {}
+        for k in list(tier.keys()):
+            (got,) = await tier.read_rows([(k, buf[0])])
+            out[k] = None if isinstance(got, BaseException) else bytes(buf[0][: nbytes[k.group_id]])
+        return out
+    finally:
+        buf.close()

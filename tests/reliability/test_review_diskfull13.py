@@ -48,7 +48,7 @@ from kvtier.io._index import RowIndex
 
 from ..io.conftest import Slots, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
-from ._faultio import kill_log, rig_factory, until_set
+from ._faultio import kill_log, rig_factory, snapshot, until_set
 from ._model import Gpu, chunks_for, engine_config, load_check, nvme_config, store_ok
 from ._model import key as model_key
 from .test_review_window11 import _states as window11_states
@@ -246,15 +246,17 @@ def _states(index: RowIndex) -> None:
 
 async def _snapshot(tier: NVMeTier) -> dict[OffloadKey, bytes | None]:
     """Every visible key's payload (None: its read failed)."""
-    buf = Slots(1, SLOT)
-    try:
-        out: dict[OffloadKey, bytes | None] = {}
-        for k in list(tier.keys()):
-            (got,) = await tier.read_rows([(k, buf[0])])
-            out[k] = None if isinstance(got, BaseException) else bytes(buf[0][: NB[k.group_id]])
-        return out
-    finally:
-        buf.close()
+    return await snapshot(tier, NB, SLOT)
+
+
+async def _fill_until_disk_full(tier: NVMeTier, buf: Slots) -> int:
+    """Write keys of group MID one at a time until the first disk-full eviction; how many."""
+    n = 0
+    while tier.stats()["disk_full_evictions"] == 0:
+        assert await tier.write_rows(_rows(buf, [_key(n, MID)])) == [None]
+        n += 1
+        assert n < 2000
+    return n
 
 
 async def _reopened(
@@ -344,12 +346,7 @@ async def test_bug_disk_full_evictions_start_with_most_of_a_growth_step_still_fr
     tier = NVMeTier(**kw)
     await tier.open()
     buf = slots(1, SLOT)
-    n = 0
-    while tier.stats()["disk_full_evictions"] == 0:
-        k = _key(n, MID)
-        assert await tier.write_rows(_rows(buf, [k])) == [None]
-        n += 1
-        assert n < 2000
+    await _fill_until_disk_full(tier, buf)
     free = _free_nbytes(mnt)
     await tier.close()
     assert free < 4 * ROW[MID], f"evicting with {free} bytes ({free // ROW[MID]} rows) free"
@@ -409,12 +406,7 @@ async def test_bug_a_failed_growth_on_ext4_keeps_blocks_the_tier_never_uses(ext4
     tier = NVMeTier(**kw)  # one big segment, grown in 2 MiB steps
     await tier.open()
     buf = slots(1, SLOT)
-    n = 0
-    while tier.stats()["disk_full_evictions"] == 0:
-        k = _key(n, MID)
-        assert await tier.write_rows(_rows(buf, [k])) == [None]
-        n += 1
-        assert n < 2000
+    n = await _fill_until_disk_full(tier, buf)
     for i in range(20):
         assert await tier.write_rows(_rows(buf, [_key(n + i, MID)])) == [None]
     await tier.drain()
@@ -440,11 +432,7 @@ async def test_bug_a_full_filesystem_cannot_be_reopened_with_direct_io(ext4, slo
     await tier.open()
     assert tier.stats()["direct_io"] is True  # O_DIRECT works on this ext4
     buf = slots(1, SLOT)
-    n = 0
-    while tier.stats()["disk_full_evictions"] == 0:
-        assert await tier.write_rows(_rows(buf, [_key(n, MID)])) == [None]
-        n += 1
-        assert n < 2000
+    n = await _fill_until_disk_full(tier, buf)
     _fill(mnt)  # another tenant takes what the last growth step left
     assert await tier.write_rows(_rows(buf, [_key(n, MID)])) == [None]  # still stores
     await tier.close()

@@ -42,7 +42,7 @@ from kvtier.io import NVMeTier, RowIO
 
 from ..io.conftest import Slots, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
-from ._faultio import kill_log, rig_factory, until_set
+from ._faultio import kill_log, rig_factory, snapshot, until_set
 from .test_review_window11 import _states  # nothing in flight: every row in one state
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -131,15 +131,7 @@ def _rows(buf: Slots, keys: Sequence[OffloadKey], salt: dict[OffloadKey, int] | 
 
 async def _snapshot(tier: NVMeTier) -> dict[OffloadKey, bytes | None]:
     """Every visible key's payload (None: its read failed)."""
-    buf = Slots(1, SLOT)
-    try:
-        out: dict[OffloadKey, bytes | None] = {}
-        for k in list(tier.keys()):
-            (got,) = await tier.read_rows([(k, buf[0])])
-            out[k] = None if isinstance(got, BaseException) else bytes(buf[0][: G[k.group_id]])
-        return out
-    finally:
-        buf.close()
+    return await snapshot(tier, G, SLOT)
 
 
 async def _reopened(root: pathlib.Path, **over: Any) -> tuple[dict[OffloadKey, bytes | None], int]:
