@@ -276,9 +276,7 @@ def _check_names_are_unique(groups: Mapping[Any, Any]) -> None:
     must mean one tensor (the same tensor in several groups is an alias).
     """
     owner: dict[Any, tuple[Any, torch.Tensor]] = {}
-    for group_id, layers in groups.items():
-        if not isinstance(layers, Mapping):
-            continue  # reported with its group
+    for group_id, layers in groups.items():  # mappings of str names (checked by the caller)
         for name, tensor in layers.items():
             if (
                 not isinstance(tensor, torch.Tensor)
@@ -386,8 +384,6 @@ class KVLayout:
                 or not 0 <= group_id < 1 << 32
             ):
                 raise LayoutError(f"group_id must be an int in [0, 2**32), got {group_id!r}")
-            if not isinstance(layers, Mapping) or not layers:
-                raise LayoutError(f"group {group_id} has no layer tensors")
             tpb = (
                 tokens_per_block.get(group_id)
                 if isinstance(tokens_per_block, Mapping)

@@ -13,7 +13,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvtier._types import OffloadKey
@@ -242,10 +242,9 @@ async def _write_group(
 
     """
     placed: list[WriteJob] = []
-    protect = {job.key for job in jobs}
     for job in jobs:
         if job.ref is NO_ROW:
-            ref = await _take_row(tier, job.key.group_id, protect)
+            ref = await _take_row(tier, job.key.group_id, jobs)
             if isinstance(ref, StorageError):
                 results[job.pos] = ref
                 fail(tier, ref.kind)
@@ -347,15 +346,13 @@ async def _grow_step(
     return None, plan.stop - plan.start
 
 
-async def _take_row(
-    tier: NVMeTier, group_id: int, protect: Container[OffloadKey]
-) -> RowRef | StorageError:
+async def _take_row(tier: NVMeTier, group_id: int, jobs: list[WriteJob]) -> RowRef | StorageError:
     """Take a free row for a reservation, growing the group's segments when it has none.
 
     When a growth step fails because the filesystem is full (ENOSPC,
     EDQUOT), one row is tried; when that fails too, the row of the group's
-    least recently used evictable key not in ``protect`` is taken instead
-    (:meth:`RowIndex.evict_own`): a tier whose disk holds less than
+    least recently used evictable key not among ``jobs`` (the keys of its
+    call) is taken instead (:meth:`RowIndex.evict_own`): a tier whose disk holds less than
     ``capacity_bytes`` keeps storing new keys, as an LRU cache within the
     space it got, and tries to grow again at its next need.
     On another failed growth, or with no such key, the reservation is given
@@ -373,6 +370,7 @@ async def _take_row(
                 exc, _ = await _grow_step(tier, group_id, max_rows=1)
                 full = exc is not None and storage_error_kind(exc) == "enospc"
             if exc is not None:
+                protect = {job.key for job in jobs} if full else ()  # built on this path only
                 if full and (ref := index.evict_own(group_id, protect)) is not None:
                     if not tier._disk_full_logged:
                         tier._disk_full_logged = True
