@@ -220,7 +220,7 @@ def reserve_rows(
             index.abandon_write(job.key, job.seq)
             continue
         if ref is None and group_id not in short:
-            ref = index.take_free(group_id)
+            ref = index.take_free(group_id, holes=False)  # a punched row: _take_row fills it
         if ref is None:
             short.add(group_id)
         else:
@@ -349,8 +349,11 @@ async def _grow_step(
 async def _take_row(tier: NVMeTier, group_id: int, jobs: list[WriteJob]) -> RowRef | StorageError:
     """Take a free row for a reservation, growing the group's segments when it has none.
 
-    When a growth step fails because the filesystem is full (ENOSPC,
-    EDQUOT), one row is tried; when that fails too, the row of the group's
+    A free row that holds its disk blocks first; else a punched free row,
+    whose blocks are allocated first (:func:`~kvtier.io._files.fill_row`);
+    else a growth step. When that allocation or growth step fails because
+    the filesystem is full (ENOSPC, EDQUOT), one row is tried (a step); when
+    that fails too, the row of the group's
     least recently used evictable key not among ``jobs`` (the keys of its
     call) is taken instead (:meth:`RowIndex.evict_own`): a tier whose disk holds less than
     ``capacity_bytes`` keeps storing new keys, as an LRU cache within the
@@ -360,15 +363,23 @@ async def _take_row(tier: NVMeTier, group_id: int, jobs: list[WriteJob]) -> RowR
     """
     index = tier._index
     lock = tier._segment_locks.setdefault(group_id, asyncio.Lock())
-    while (ref := index.take_free(group_id)) is None:
+    while (ref := index.take_free(group_id, holes=False)) is None:
         async with lock:
-            if index.free_rows(group_id):
-                continue
-            exc, rows = await _grow_step(tier, group_id)
-            full = exc is not None and storage_error_kind(exc) == "enospc"  # or EDQUOT
-            if full and rows > 1:  # a whole step did not fit: one row may
-                exc, _ = await _grow_step(tier, group_id, max_rows=1)
+            if (ref := index.take_free(group_id, holes=False)) is not None:
+                return ref
+            if index.free_rows(group_id):  # punched rows only
+                hole = index.take_free(group_id)
+                assert hole is not None
+                exc = await _fill_hole(tier, hole)
+                if exc is None:
+                    return hole
+                full = storage_error_kind(exc) == "enospc"  # or EDQUOT
+            else:
+                exc, rows = await _grow_step(tier, group_id)
                 full = exc is not None and storage_error_kind(exc) == "enospc"
+                if full and rows > 1:  # a whole step did not fit: one row may
+                    exc, _ = await _grow_step(tier, group_id, max_rows=1)
+                    full = exc is not None and storage_error_kind(exc) == "enospc"
             if exc is not None:
                 protect = {job.key for job in jobs} if full else ()  # built on this path only
                 if full and (ref := index.evict_own(group_id, protect)) is not None:
@@ -386,6 +397,25 @@ async def _take_row(tier: NVMeTier, group_id: int, jobs: list[WriteJob]) -> RowR
                 return as_storage_error(exc, f"cannot grow the segments of group {group_id}")
             tier._ahead_paused.discard(group_id)
     return ref
+
+
+async def _fill_hole(tier: NVMeTier, ref: RowRef) -> Exception | None:
+    """Allocate a punched free row's blocks; on failure give it back, punched.
+
+    Returns:
+        The error, or None (the row is the caller's and holds its blocks).
+    """
+    try:
+        await tier._run_meta(
+            _files.fill_row,
+            tier._segments[(ref.group_id, ref.segment)],
+            tier._specs[ref.group_id],
+            ref.row,
+        )
+    except Exception as exc:
+        tier._index.reclaimed([ref], punched=True)
+        return exc
+    return None
 
 
 async def grow(tier: NVMeTier, plan: Growth) -> None:

@@ -364,6 +364,29 @@ def grow_segment(row_io: RowIO, handle: Any, nbytes: int, before: int | None = N
         raise
 
 
+def fill_row(handle: Any, spec: GroupSpec, row: int) -> None:
+    """Allocate the disk blocks of a punched row before it is written.
+
+    A write into a hole allocates blocks as it goes; on a full filesystem it
+    fails with ENOSPC after the row was handed out. ``posix_fallocate`` of
+    the row's byte range fails first instead, and the row can be given back.
+    Does nothing where the filesystem does not support it or the handle has
+    no file descriptor (the write then allocates).
+
+    Raises:
+        OSError: e.g. ENOSPC or EDQUOT (nothing was allocated for the row).
+
+    """
+    fd = handle if isinstance(handle, int) else getattr(handle, "fd", None)
+    if not isinstance(fd, int):
+        return
+    try:
+        os.posix_fallocate(fd, spec.row_offset(row), spec.row_nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # not supported here
+            raise
+
+
 _FS_IOC_FIEMAP = 0xC020660B  # _IOWR('f', 11, struct fiemap), linux/fs.h
 _FIEMAP_EXTENT_LAST = 0x1
 _FIEMAP_HEADER = "=QQIIII"  # fm_start, fm_length, fm_flags, fm_mapped_extents, fm_extent_count

@@ -408,13 +408,33 @@ class RowIndex:
         """Give back a reservation of :meth:`reserve` that got no row."""
         self.bytes_used -= self._row_nbytes[group_id]
 
-    def take_free(self, group_id: int) -> RowRef | None:
-        """Take the lowest free row of a group for a reservation (None: grow first)."""
+    def take_free(self, group_id: int, holes: bool = True) -> RowRef | None:
+        """Take the lowest free row of a group for a reservation (None: grow first).
+
+        Args:
+            group_id: the group.
+            holes: whether a punched row may be taken. False: the lowest free
+                row that holds its disk blocks, or None when every free row
+                is punched (the caller then allocates one first,
+                :func:`kvtier.io._files.fill_row`, since on a full filesystem
+                a write into a hole fails with ENOSPC; it is then given back
+                with :meth:`reclaimed` ``(punched=True)``).
+        """
         free = self._free[group_id]
         if not free:
             return None
-        ref = heapq.heappop(free)
-        self._drop_hole(ref)  # a punched row: the write allocates its blocks again
+        if holes or free[0] not in self._holed:
+            ref = heapq.heappop(free)
+        else:  # rare: rows are punched only past the disk budget
+            kept = [r for r in free if r in self._holed]
+            full = sorted(r for r in free if r not in self._holed)
+            if not full:
+                return None
+            ref = full[0]
+            kept += full[1:]
+            heapq.heapify(kept)
+            self._free[group_id] = kept
+        self._drop_hole(ref)  # a punched row: its blocks are allocated again
         return ref
 
     def free_rows(self, group_id: int) -> int:

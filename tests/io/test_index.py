@@ -351,6 +351,24 @@ def test_take_to_punch_takes_the_highest_free_rows_of_the_group_with_most_free_b
     assert index.held_nbytes == held - 6 * 4096 - 8192  # the write gives it blocks again
 
 
+def test_take_free_without_holes_skips_punched_rows_and_keeps_them_free() -> None:
+    index = RowIndex({0: 4096}, 4 * 4096, {0: 8}, {0: 8})
+    index.commit_growth(index.plan_growth(0))  # rows 0-7, free, holding blocks
+    low = [index.take_free(0) for _ in range(3)]  # rows 0-2
+    assert low == [RowRef(0, 0, r) for r in range(3)]
+    punched = index.take_to_punch(8 * 4096)  # rows 7..3
+    index.reclaimed(punched, punched=True)
+    index.reclaimed([RowRef(0, 0, 1)])  # row 1 blank, holding blocks
+    index.reclaimed([RowRef(0, 0, 0)], punched=True)  # row 0 punched: the lowest free row
+    held = index.held_nbytes
+    assert index.take_free(0, holes=False) == RowRef(0, 0, 1)  # past the lower hole
+    assert index.held_nbytes == held  # it held its blocks
+    assert index.take_free(0, holes=False) is None  # only holes left
+    assert index.free_rows(0) == 6
+    assert index.take_free(0) == RowRef(0, 0, 0)  # the lowest, a hole: blocks again
+    assert index.held_nbytes == held + 4096
+    assert sorted(index._free[0]) == [RowRef(0, 0, r) for r in range(3, 8)]
+
 def _put(index: RowIndex, key: OffloadKey, protect: set[OffloadKey]) -> RowRef | None:
     """Reserve, take a row (growing), publish ``key``; the evicted row handed over, if any."""
     ok, own = index.reserve(key.group_id, protect)

@@ -280,18 +280,14 @@ def _kinds(results: Sequence[BaseException | None]) -> list[str | None]:
 # ====================================================================== bugs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BUG: a free row whose blocks were punched (the tier went past its disk budget) is "
-        "handed to a write while another tenant has filled the filesystem: the pwritev into "
-        "the hole fails with ENOSPC, the key fails with 'enospc', the failed row is punched "
-        "again and stays the group's lowest free row, so EVERY later write of that group "
-        "fails the same way although the group has evictable keys (README: 'only a row "
-        "whose group has no such key fails with enospc'). Expected: such a write takes the "
-        "row of its group's least recently used key (or the row is allocated first)"
-    ),
-)
+# Fixed in session 14 (was a strict xfail): a free row whose blocks were punched (the tier went
+# past its disk budget) was handed to a write while another tenant had filled the filesystem:
+# the pwritev into the hole failed with ENOSPC, the key failed with 'enospc', the failed row
+# was punched again and stayed the group's lowest free row, so EVERY later write of that group
+# failed the same way although the group had evictable keys. Now a write takes a free row that
+# holds its blocks first, and a punched one only after allocating its blocks (posix_fallocate
+# of the row), which on a full filesystem fails first: the write then takes the row of its
+# group's least recently used key
 async def test_bug_a_punched_free_row_on_a_full_filesystem_fails_every_write_of_its_group(
     tmpfs, slots
 ) -> None:
