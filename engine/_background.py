@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import numbers
 import threading
+import weakref
 from collections.abc import Coroutine, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -65,6 +67,8 @@ class BackgroundEngine:
         )
         self._closed = False
         self._lock = threading.Lock()  # orders submissions against close()
+        # The Futures store/load/prefetch/flush returned: cancel() takes only these.
+        self._issued: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
         self._close_done = threading.Event()  # set once the first close() has finished
         self._close_error: BaseException | None = None
 
@@ -78,7 +82,9 @@ class BackgroundEngine:
             if not self._running():
                 coro.close()
                 raise EngineClosedError(_CLOSED)
-            return asyncio.run_coroutine_threadsafe(coro, self._loop)
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._issued.add(future)
+            return future
 
     async def _call(self, fn: Any, *args: Any) -> Any:
         return fn(*args)
@@ -181,8 +187,9 @@ class BackgroundEngine:
             What ``future.cancel()`` returned (False: it had already finished).
 
         Raises:
-            InvalidArgumentError: ``future`` is not a Future, ``timeout`` is
-                not None or a number in ``[0, threading.TIMEOUT_MAX]``, or the
+            InvalidArgumentError: ``future`` is not a Future this engine
+                returned, ``timeout`` is not None or a real number (``bool``
+                excepted) in ``[0, threading.TIMEOUT_MAX]``, or the
                 call is made on the engine thread (nothing is cancelled then).
             TimeoutError: the wait for the call (and the other work in flight
                 when it was cancelled) did not end within ``timeout``.
@@ -192,9 +199,13 @@ class BackgroundEngine:
             raise InvalidArgumentError(
                 f"cancel() takes a Future of this engine, got {type(future).__name__}"
             )
+        with self._lock:
+            ours = future in self._issued
+        if not ours:  # another engine's: its copies would not be waited for
+            raise InvalidArgumentError("cancel() takes a Future this engine returned")
         if timeout is not None and (
             isinstance(timeout, bool)
-            or not isinstance(timeout, int | float)
+            or not isinstance(timeout, numbers.Real)
             or not 0 <= timeout <= threading.TIMEOUT_MAX
         ):
             raise InvalidArgumentError(
@@ -208,7 +219,7 @@ class BackgroundEngine:
             return False  # it had finished: its call has ended
         # Submitted after the cancellation (the loop runs them in order), so
         # the cancelled call has seen it when this starts.
-        self._submit(self._settle()).result(timeout)
+        self._submit(self._settle()).result(None if timeout is None else float(timeout))
         return cancelled
 
     async def _settle(self) -> None:

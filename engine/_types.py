@@ -38,8 +38,9 @@ class OffloadKey:
     """Names one chunk of ONE KV cache group.
 
     Attributes:
-        block_hash: the chunk's content hash (bytes, 1..64 long), e.g. the
-            hash of the last block of the chunk chained from token ids.
+        block_hash: the chunk's content hash (bytes, 1..64 long; an instance of
+            a bytes subclass is copied to plain bytes), e.g. the hash of the
+            last block of the chunk chained from token ids.
         group_id: the KV cache group (``>= 0``).
 
     Raises:
@@ -63,6 +64,8 @@ class OffloadKey:
                 f"OffloadKey.block_hash must be bytes (e.g. a hash digest), got "
                 f"{type(self.block_hash).__name__} {self.block_hash!r:.80}"
             )
+        if type(self.block_hash) is not bytes:  # a subclass: its own bytes, not its methods
+            object.__setattr__(self, "block_hash", bytes(self.block_hash))
         if not 1 <= len(self.block_hash) <= 64:
             raise InvalidArgumentError(
                 f"OffloadKey.block_hash must be 1..64 bytes long, got {len(self.block_hash)}"

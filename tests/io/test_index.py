@@ -369,6 +369,7 @@ def test_take_free_without_holes_skips_punched_rows_and_keeps_them_free() -> Non
     assert index.held_nbytes == held + 4096
     assert sorted(index._free[0]) == [RowRef(0, 0, r) for r in range(3, 8)]
 
+
 def _put(index: RowIndex, key: OffloadKey, protect: set[OffloadKey]) -> RowRef | None:
     """Reserve, take a row (growing), publish ``key``; the evicted row handed over, if any."""
     ok, own = index.reserve(key.group_id, protect)

@@ -37,6 +37,7 @@ import decimal
 import enum
 import fractions
 import hashlib
+import numbers
 import operator
 import os
 import pathlib
@@ -881,25 +882,48 @@ def _done_future() -> concurrent.futures.Future[int]:
         st.booleans(),
         st.text(max_size=2),
         st.builds(np.float64, st.floats(0, 10)),
+        st.builds(np.int64, st.integers(0, 10)),
     ),
 )
-def test_background_cancel_rejects_non_futures_and_bad_timeouts(future: Any, timeout: Any) -> None:
+def test_background_cancel_rejects_foreign_futures_non_futures_and_bad_timeouts(
+    future: Any, timeout: Any
+) -> None:
     be = _bg_for_cancel()  # one started engine for every example
-    is_future = isinstance(future, concurrent.futures.Future)
+    own = be.flush()  # finished: an engine without an NVMe tier has nothing to flush
+    own.result(timeout=10)
     timeout_ok = timeout is None or (
-        isinstance(timeout, int | float)
+        isinstance(timeout, numbers.Real)
         and not isinstance(timeout, bool)
         and 0 <= timeout <= threading.TIMEOUT_MAX
     )
+    # A Future this engine did not return is refused, whatever the timeout (session 14:
+    # it was accepted and cancelled, and the wait covered this engine's work only).
     got, exc = _attempt(lambda: be.cancel(future, timeout))
+    assert exc is not None, f"cancel({future!r}, {timeout!r}) accepted"
+    _assert_arg_error(exc)
+    if isinstance(future, concurrent.futures.Future):
+        assert future.result() == 1  # left alone
+    got, exc = _attempt(lambda: be.cancel(own, timeout))
     if exc is not None:
-        assert not (is_future and timeout_ok), f"cancel({future!r}, {timeout!r}): {exc!r}"
+        assert not timeout_ok, f"cancel(own, {timeout!r}): {exc!r}"
         _assert_arg_error(exc)
     else:
-        assert is_future, f"cancel({future!r}, {timeout!r}) accepted"
-        assert timeout_ok, f"cancel({future!r}, {timeout!r}) accepted"
+        assert timeout_ok, f"cancel(own, {timeout!r}) accepted"
         assert got is False  # it had finished: left alone
-        assert future.result() == 1
+
+
+# Fixed in session 14: a bytes subclass whose __len__ lies got past the 1..64-byte check.
+def test_offload_key_copies_a_bytes_subclass_and_checks_its_real_length() -> None:
+    class Lying(bytes):
+        def __len__(self) -> int:
+            return 8
+
+    with pytest.raises(errors.InvalidArgumentError, match=r"1\.\.64 bytes"):
+        kvtier.OffloadKey(Lying(b"x" * 65), 0)
+    key = kvtier.OffloadKey(Lying(b"abc"), 1)
+    assert type(key.block_hash) is bytes
+    assert key == kvtier.OffloadKey(b"abc", 1)
+    assert hash(key) == hash(kvtier.OffloadKey(b"abc", 1))
 
 
 _BG: list[kvtier.BackgroundEngine] = []
