@@ -191,14 +191,17 @@ def reserve_rows(
 
     Capacity first (:meth:`RowIndex.reserve`, evicting LRU keys of any group,
     never a key of ``jobs``), then the row: an evicted row of the group, else
-    its lowest free row, so the rows of one group follow each other in the
-    batch's order. A job that finds no free row keeps ``job.ref`` unset:
-    :func:`_write_group` grows the segments first. A job without room gets a
-    :class:`StorageError` of kind ``capacity`` in ``results`` (nothing was
-    evicted for it).
+    its lowest free row that holds its blocks, so the rows of one group
+    follow each other in the batch's order. A job that finds no such row
+    keeps ``job.ref`` unset: :func:`_take_row` fills a punched row or grows
+    the segments first; when its room would also evict keys of other
+    groups, it reserves only after that growth (``job.reserved`` False): on
+    a full filesystem it then takes its own group's key alone. A job
+    without room gets a :class:`StorageError` of kind ``capacity`` in
+    ``results`` (nothing was evicted for it).
 
     Returns:
-        The reserved jobs by group, each list in the batch's order.
+        The jobs by group, each list in the batch's order.
 
     """
     index = tier._index
@@ -207,20 +210,21 @@ def reserve_rows(
     short: set[int] = set()  # groups whose free rows ran out
     for job in jobs:
         group_id = job.key.group_id
-        ok, ref = index.reserve(group_id, protect)
+        at_hand = group_id not in short and index.has_row(group_id)
+        ok, ref = index.reserve(group_id, protect, evict_others=at_hand)
+        if not ok and not at_hand:
+            job.reserved = False  # room after growth (the rows of other groups do not help)
+            short.add(group_id)
+            groups.setdefault(group_id, []).append(job)
+            continue
         if not ok:
-            err = StorageError(
-                "capacity",
-                f"no room for a {index.row_nbytes(group_id)}-byte row of group {group_id}: "
-                f"{index.bytes_used} of capacity_bytes={index.capacity_bytes} are held by "
-                "rows in flight, pinned or of the same write_rows call",
-            )
+            err = _no_room(tier, group_id)
             results[job.pos] = err
             fail(tier, err.kind)
             index.abandon_write(job.key, job.seq)
             continue
-        if ref is None and group_id not in short:
-            ref = index.take_free(group_id, holes=False)  # a punched row: _take_row fills it
+        if ref is None and at_hand:
+            ref = index.take_free(group_id, holes=False)
         if ref is None:
             short.add(group_id)
         else:
@@ -229,12 +233,23 @@ def reserve_rows(
     return list(groups.values())
 
 
+def _no_room(tier: NVMeTier, group_id: int) -> StorageError:
+    index = tier._index
+    return StorageError(
+        "capacity",
+        f"no room for a {index.row_nbytes(group_id)}-byte row of group {group_id}: "
+        f"{index.bytes_used} of capacity_bytes={index.capacity_bytes} are held by "
+        "rows in flight, pinned or of the same write_rows call",
+    )
+
+
 async def _write_group(
     tier: NVMeTier, jobs: list[WriteJob], results: list[BaseException | None]
 ) -> list[tuple[list[WriteJob], int, BaseException | None, int]]:
-    """Give rows to the reserved jobs of one group that lack one, then write its runs.
+    """Give rows to the jobs of one group that lack one, then write its runs.
 
-    A job whose growth failed gets the error in ``results``.
+    A job whose growth failed, or that found no room after it, gets the
+    error in ``results``.
 
     Returns:
         ``(run, bytes written, exception or None, failed syncs of its segment
@@ -242,9 +257,11 @@ async def _write_group(
 
     """
     placed: list[WriteJob] = []
+    late = False  # a job reserved here (maybe evicting keys of other groups)
     for job in jobs:
         if job.ref is NO_ROW:
-            ref = await _take_row(tier, job.key.group_id, jobs)
+            late = late or not job.reserved
+            ref = await _take_row(tier, job, jobs)
             if isinstance(ref, StorageError):
                 results[job.pos] = ref
                 fail(tier, ref.kind)
@@ -252,6 +269,8 @@ async def _write_group(
                 continue
             job.ref = ref
         placed.append(job)
+    if late:  # as write_batch does for the others: evicted rows are blank before ours land
+        await settle_evictions(tier)
     if jobs:
         grow_ahead(tier, jobs[0].key.group_id)
     runs = make_runs(tier, placed, lambda j: j.ref)
@@ -346,33 +365,48 @@ async def _grow_step(
     return None, plan.stop - plan.start
 
 
-async def _take_row(tier: NVMeTier, group_id: int, jobs: list[WriteJob]) -> RowRef | StorageError:
-    """Take a free row for a reservation, growing the group's segments when it has none.
+async def _take_row(tier: NVMeTier, job: WriteJob, jobs: list[WriteJob]) -> RowRef | StorageError:
+    """Take a free row for a job, growing the group's segments when it has none.
 
     A free row that holds its disk blocks first; else a punched free row,
     whose blocks are allocated first (:func:`~kvtier.io._files.fill_row`);
-    else a growth step. When that allocation or growth step fails because
-    the filesystem is full (ENOSPC, EDQUOT), one row is tried (a step); when
-    that fails too, the row of the group's
-    least recently used evictable key not among ``jobs`` (the keys of its
-    call) is taken instead (:meth:`RowIndex.evict_own`): a tier whose disk holds less than
-    ``capacity_bytes`` keeps storing new keys, as an LRU cache within the
-    space it got, and tries to grow again at its next need.
-    On another failed growth, or with no such key, the reservation is given
-    back and the error returned.
+    else a growth step. A job without a reservation (``job.reserved``
+    False) reserves once a row is at hand (:meth:`RowIndex.reserve`, which
+    may evict keys of any group or hand over its own group's key's row).
+    When the allocation or growth step fails because the filesystem is full
+    (ENOSPC, EDQUOT), one row is tried (a step); when that fails too, the
+    row of the group's least recently used evictable key not among ``jobs``
+    (the keys of its call) is taken instead (:meth:`RowIndex.evict_own`): a
+    tier whose disk holds less than ``capacity_bytes`` keeps storing new
+    keys, as an LRU cache within the space it got, and tries to grow again
+    at its next need. On another failed growth, or with no such key, the
+    reservation (if any) is given back and the error returned.
     """
     index = tier._index
+    group_id = job.key.group_id
     lock = tier._segment_locks.setdefault(group_id, asyncio.Lock())
-    while (ref := index.take_free(group_id, holes=False)) is None:
+    while True:
+        if not job.reserved and index.has_row(group_id):
+            ok, own = index.reserve(group_id, {j.key for j in jobs})
+            if not ok:
+                return _no_room(tier, group_id)
+            job.reserved = True
+            if own is not None:
+                return own
+        if job.reserved and (ref := index.take_free(group_id, holes=False)) is not None:
+            return ref
         async with lock:
-            if (ref := index.take_free(group_id, holes=False)) is not None:
-                return ref
+            if index.has_row(group_id):
+                continue
             if index.free_rows(group_id):  # punched rows only
                 hole = index.take_free(group_id)
                 assert hole is not None
                 exc = await _fill_hole(tier, hole)
                 if exc is None:
-                    return hole
+                    if job.reserved:
+                        return hole
+                    index.reclaimed([hole])  # a free row with blocks: reserve, then take it
+                    continue
                 full = storage_error_kind(exc) == "enospc"  # or EDQUOT
             else:
                 exc, rows = await _grow_step(tier, group_id)
@@ -380,23 +414,25 @@ async def _take_row(tier: NVMeTier, group_id: int, jobs: list[WriteJob]) -> RowR
                 if full and rows > 1:  # a whole step did not fit: one row may
                     exc, _ = await _grow_step(tier, group_id, max_rows=1)
                     full = exc is not None and storage_error_kind(exc) == "enospc"
-            if exc is not None:
-                protect = {job.key for job in jobs} if full else ()  # built on this path only
-                if full and (ref := index.evict_own(group_id, protect)) is not None:
-                    if not tier._disk_full_logged:
-                        tier._disk_full_logged = True
-                        log.warning(
-                            "kvtier: the filesystem of %s is full below capacity_bytes (%s): "
-                            "new rows now reuse the rows of their group's least recently "
-                            "used keys (counted as disk_full_evictions)",
-                            tier.directory,
-                            exc,
-                        )
-                    return ref
+                if exc is None:
+                    tier._ahead_paused.discard(group_id)
+                    continue
+            protect = {j.key for j in jobs} if full else ()  # built on this path only
+            if full and (ref := index.evict_own(group_id, protect, job.reserved)) is not None:
+                job.reserved = True
+                if not tier._disk_full_logged:
+                    tier._disk_full_logged = True
+                    log.warning(
+                        "kvtier: the filesystem of %s is full below capacity_bytes (%s): "
+                        "new rows now reuse the rows of their group's least recently "
+                        "used keys (counted as disk_full_evictions)",
+                        tier.directory,
+                        exc,
+                    )
+                return ref
+            if job.reserved:
                 index.unreserve(group_id)
-                return as_storage_error(exc, f"cannot grow the segments of group {group_id}")
-            tier._ahead_paused.discard(group_id)
-    return ref
+            return as_storage_error(exc, f"cannot grow the segments of group {group_id}")
 
 
 async def _fill_hole(tier: NVMeTier, ref: RowRef) -> Exception | None:

@@ -70,6 +70,7 @@ class WriteJob:
     pos: int
     ref: RowRef = NO_ROW
     seq: int = 0
+    reserved: bool = True  # False: its capacity is reserved after its group grew
 
 
 @dataclass(slots=True)

@@ -303,7 +303,9 @@ class RowIndex:
 
     # -- capacity and allocation ------------------------------------------------
 
-    def reserve(self, group_id: int, protect: Container[OffloadKey]) -> tuple[bool, RowRef | None]:
+    def reserve(
+        self, group_id: int, protect: Container[OffloadKey], evict_others: bool = True
+    ) -> tuple[bool, RowRef | None]:
         """Reserve capacity for one row of ``group_id``, evicting LRU keys of any group.
 
         Evicts the least recently used unpinned keys not in ``protect``, of
@@ -320,9 +322,20 @@ class RowIndex:
         Redis' sampled eviction, https://redis.io/docs/latest/develop/reference/eviction/,
         with the sample taken from the LRU end.)
 
+        Args:
+            group_id: the writer's group.
+            protect: keys never evicted (those of the writing call).
+            evict_others: False: when the keys to evict for room include none
+                of ``group_id`` (so no row would be handed over), evict nothing
+                and return ``(False, None)``. For a writer whose group has no
+                free row: it grows first, then reserves (on a full filesystem
+                it takes its own group's key, :meth:`evict_own`, and evicts
+                nothing else).
+
         Returns:
             ``(False, None)``: no room (the row is larger than the capacity, or
-            the capacity is held by pinned, protected or in-flight rows).
+            the capacity is held by pinned, protected or in-flight rows; or
+            ``evict_others`` is False and room needs other groups' keys only).
             ``(True, ref)``: room reserved; ``ref`` is an evicted row of the
             same group, now reserved for the caller, or ``None``: take a row
             with :meth:`take_free` (growing the group when there is none), or
@@ -347,6 +360,8 @@ class RowIndex:
                     break
             else:
                 return False, None
+            if not evict_others and all(key.group_id != group_id for key in victims):
+                return False, None  # none of them would hand a row over: grow first
         own: RowRef | None = None
         for key in victims:
             entry = self._lru.pop(key)
@@ -378,16 +393,24 @@ class RowIndex:
                 return None
         return None
 
-    def evict_own(self, group_id: int, protect: Container[OffloadKey]) -> RowRef | None:
-        """Give a reservation of ``group_id`` that found no row the row of its group's LRU key.
+    def evict_own(
+        self, group_id: int, protect: Container[OffloadKey], reserved: bool = True
+    ) -> RowRef | None:
+        """Give a write of ``group_id`` that found no row the row of its group's LRU key.
 
         For a write whose group has no free row and cannot grow (the
         filesystem is full): the least recently used key of ``group_id`` that
         is neither pinned (a read in flight) nor in ``protect`` is evicted,
         wherever it stands in the LRU order, and its row is handed to the
-        writer, who overwrites it in place, as a window eviction's is. The
-        reservation and the evicted key then share that row, so ``bytes_used``
-        drops by one row.
+        writer, who overwrites it in place, as a window eviction's is.
+
+        Args:
+            group_id: the writer's group.
+            protect: keys never evicted (those of the writing call).
+            reserved: whether the write holds a reservation of :meth:`reserve`.
+                True: the reservation and the evicted key then share that
+                row, so ``bytes_used`` drops by one row. False: the row is
+                the write's reservation (``bytes_used`` unchanged).
 
         Returns:
             The row, now reserved for the caller, or None: no such key (the
@@ -400,7 +423,8 @@ class RowIndex:
             del self._lru[key]
             self.evictions += 1
             self.disk_full_evictions += 1
-            self.bytes_used -= self._row_nbytes[group_id]
+            if reserved:
+                self.bytes_used -= self._row_nbytes[group_id]
             return entry.ref
         return None
 
@@ -436,6 +460,13 @@ class RowIndex:
             self._free[group_id] = kept
         self._drop_hole(ref)  # a punched row: its blocks are allocated again
         return ref
+
+    def has_row(self, group_id: int) -> bool:
+        """Whether a group has a free row that holds its disk blocks (not punched)."""
+        free = self._free[group_id]
+        return bool(free) and (
+            free[0] not in self._holed or any(r not in self._holed for r in free)
+        )
 
     def free_rows(self, group_id: int) -> int:
         """Return the number of free rows of a group."""

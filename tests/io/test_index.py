@@ -91,6 +91,41 @@ class IndexMachine(RuleBasedStateMachine):
         assert ref.group_id == g
         self.reserved.append((k, ref, self.index.begin_write(k)))
 
+    @rule(k=st.sampled_from(KEYS), grow=st.sampled_from(["ok", "fails", "disk_full"]))
+    def write_after_growth(self, k: OffloadKey, grow: str) -> None:
+        """The tier's order for a writer whose group has no row at hand: room after growth."""
+        g = k.group_id
+        if self.index.has_row(g):
+            return
+        before = self.index.lru_keys()
+        ok, ref = self.index.reserve(g, {k}, evict_others=False)
+        gone = [key for key in before if key not in set(self.index.lru_keys())]
+        if ok:  # evicting for room is fine when a key of g hands its row over
+            assert (ref is not None) == any(key.group_id == g for key in gone)
+            if ref is not None:
+                self.reserved.append((k, ref, self.index.begin_write(k)))
+            else:
+                self.index.unreserve(g)  # (the tier would grow; covered by write)
+            return
+        assert not gone
+        if grow == "fails":
+            return
+        if grow == "disk_full":  # no reservation was made: the row is the reservation
+            used = self.index.bytes_used
+            ref = self.index.evict_own(g, {k}, reserved=False)
+            if ref is not None:
+                assert self.index.bytes_used == used
+                self.reserved.append((k, ref, self.index.begin_write(k)))
+            return
+        self.index.commit_growth(self.index.plan_growth(g))
+        assert self.index.has_row(g)
+        ok, own = self.index.reserve(g, {k})
+        if ok:
+            ref = own if own is not None else self.index.take_free(g, holes=False)
+            assert ref is not None
+            assert ref.group_id == g
+            self.reserved.append((k, ref, self.index.begin_write(k)))
+
     @precondition(lambda self: self.reserved)
     @rule(i=st.integers(0, 100), ok=st.booleans())
     def complete(self, i: int, ok: bool) -> None:
@@ -368,6 +403,35 @@ def test_take_free_without_holes_skips_punched_rows_and_keeps_them_free() -> Non
     assert index.take_free(0) == RowRef(0, 0, 0)  # the lowest, a hole: blocks again
     assert index.held_nbytes == held + 4096
     assert sorted(index._free[0]) == [RowRef(0, 0, r) for r in range(3, 8)]
+
+
+def test_a_writer_without_a_row_reserves_after_growth_and_a_full_disk_evicts_its_own_key() -> None:
+    index = RowIndex({0: 4096, 1: 4096}, 4 * 4096, {0: 8, 1: 8}, {0: 1, 1: 1})
+    b0, b1, a0, a1 = (OffloadKey(bytes([i]), g) for i, g in ((1, 1), (2, 1), (3, 0), (4, 0)))
+    for k in (b0, b1, a0, a1):  # LRU order: group 1's keys first
+        _put(index, k, set())
+    assert index.bytes_used == index.capacity_bytes
+    assert not index.has_row(0)
+    new, new2 = OffloadKey(b"n", 0), OffloadKey(b"m", 0)
+    # room only by evicting b0, whose row group 0 cannot use: nothing is evicted yet
+    assert index.reserve(0, {new}, evict_others=False) == (False, None)
+    assert index.lru_keys() == [b0, b1, a0, a1]
+    # the filesystem is full: group 0's own LRU key gives its row, and only it
+    ref = index.evict_own(0, {new}, reserved=False)
+    assert ref is not None
+    assert ref.group_id == 0
+    assert index.lru_keys() == [b0, b1, a1]
+    assert index.bytes_used == index.capacity_bytes  # the row is new's reservation
+    assert (index.evictions, index.disk_full_evictions) == (1, 1)
+    seq = index.begin_write(new)
+    assert index.finish_write(new, ref, seq, 0, 1)
+    # the growth works: room is made after it (the LRU key, of group 1), the new row taken
+    index.commit_growth(index.plan_growth(0))
+    assert index.has_row(0)
+    ok, own = index.reserve(0, {new2})
+    assert (ok, own) == (True, None)
+    assert index.lru_keys() == [b1, a1, new]
+    assert index.take_free(0, holes=False) is not None
 
 
 def _put(index: RowIndex, key: OffloadKey, protect: set[OffloadKey]) -> RowRef | None:
