@@ -375,7 +375,8 @@ def fill_row(handle: Any, spec: GroupSpec, row: int) -> None:
     no file descriptor (the write then allocates).
 
     Raises:
-        OSError: e.g. ENOSPC or EDQUOT (nothing was allocated for the row).
+        OSError: e.g. ENOSPC or EDQUOT (the blocks it got were punched again,
+            as far as that worked: ext4 keeps what it allocated before failing).
 
     """
     fd = handle if isinstance(handle, int) else getattr(handle, "fd", None)
@@ -384,8 +385,11 @@ def fill_row(handle: Any, spec: GroupSpec, row: int) -> None:
     try:
         os.posix_fallocate(fd, spec.row_offset(row), spec.row_nbytes)
     except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # not supported here
-            raise
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # not supported here
+            return
+        with contextlib.suppress(OSError):
+            _punch_hole(fd, spec.row_offset(row), spec.row_nbytes)
+        raise
 
 
 _FS_IOC_FIEMAP = 0xC020660B  # _IOWR('f', 11, struct fiemap), linux/fs.h
