@@ -13,7 +13,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import TYPE_CHECKING, Any
 
 from kvtier._types import OffloadKey
@@ -22,7 +22,7 @@ from kvtier.io import _files
 from kvtier.io._align import buffer_address, check_direct
 from kvtier.io._files import NO_ROW, ReadJob, WriteJob
 from kvtier.io._format import SegmentHeader, encode_header
-from kvtier.io._index import Growth, RowRef
+from kvtier.io._index import DEFERRED, Growth, RowRef
 
 log = logging.getLogger("kvtier.io")
 
@@ -109,7 +109,8 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
     """
     results: list[BaseException | None] = [None] * len(jobs)
     await reclaim(tier)
-    groups = reserve_rows(tier, jobs, results)
+    protect = {j.key for j in jobs}  # never evicted for this batch
+    groups = reserve_rows(tier, jobs, protect, results)
     t0 = time.perf_counter()
     # The rows of other groups evicted for this batch are blanked BEFORE its rows
     # are written into their room: valid rows on disk then never exceed
@@ -118,7 +119,9 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
     # the oldest written key, maybe one that a flush covered and reads kept
     # recent. Another batch's reclaim may hold some of these rows: wait for it.
     await settle_evictions(tier)
-    written = await asyncio.gather(*(_write_group(tier, group, results) for group in groups))
+    written = await asyncio.gather(
+        *(_write_group(tier, group, protect, results) for group in groups)
+    )
     tier._counts["write_seconds"] += time.perf_counter() - t0
     # Keys are published in the batch's order (the order they were stored in),
     # not group by group: the LRU then interleaves groups as the stores did, so
@@ -185,34 +188,37 @@ async def settle_evictions(tier: NVMeTier) -> None:
 
 
 def reserve_rows(
-    tier: NVMeTier, jobs: list[WriteJob], results: list[BaseException | None]
+    tier: NVMeTier,
+    jobs: list[WriteJob],
+    protect: Container[OffloadKey],
+    results: list[BaseException | None],
 ) -> list[list[WriteJob]]:
     """Reserve capacity for every job, and a row where one is at hand (no I/O).
 
     Capacity first (:meth:`RowIndex.reserve`, evicting LRU keys of any group,
-    never a key of ``jobs``), then the row: an evicted row of the group, else
-    its lowest free row that holds its blocks, so the rows of one group
-    follow each other in the batch's order. A job that finds no such row
-    keeps ``job.ref`` unset: :func:`_take_row` fills a punched row or grows
-    the segments first; when its room would also evict keys of other
-    groups, it reserves only after that growth (``job.reserved`` False): on
-    a full filesystem it then takes its own group's key alone. A job
-    without room gets a :class:`StorageError` of kind ``capacity`` in
-    ``results`` (nothing was evicted for it).
+    never one of ``protect``, the keys of the batch), then the row: an
+    evicted row of the group, else its lowest free row that holds its
+    blocks, so the rows of one group follow each other in the batch's
+    order. A job that finds no such row keeps ``job.ref`` unset:
+    :func:`_take_row` fills a punched row or grows the segments first. When
+    its group has no row at hand and room needs keys of other groups only,
+    it reserves after that growth (``job.reserved`` False; on a full
+    filesystem it then takes its own group's key alone). A job without room
+    gets a :class:`StorageError` of kind ``capacity`` in ``results``
+    (nothing was evicted for it).
 
     Returns:
         The jobs by group, each list in the batch's order.
 
     """
     index = tier._index
-    protect = {j.key for j in jobs}
     groups: dict[int, list[WriteJob]] = {}
     short: set[int] = set()  # groups whose free rows ran out
     for job in jobs:
         group_id = job.key.group_id
         at_hand = group_id not in short and index.has_row(group_id)
         ok, ref = index.reserve(group_id, protect, evict_others=at_hand)
-        if not ok and not at_hand:
+        if ref is DEFERRED:
             job.reserved = False  # room after growth (the rows of other groups do not help)
             short.add(group_id)
             groups.setdefault(group_id, []).append(job)
@@ -244,9 +250,14 @@ def _no_room(tier: NVMeTier, group_id: int) -> StorageError:
 
 
 async def _write_group(
-    tier: NVMeTier, jobs: list[WriteJob], results: list[BaseException | None]
+    tier: NVMeTier,
+    jobs: list[WriteJob],
+    protect: Container[OffloadKey],
+    results: list[BaseException | None],
 ) -> list[tuple[list[WriteJob], int, BaseException | None, int]]:
     """Give rows to the jobs of one group that lack one, then write its runs.
+
+    ``protect``: the keys of the whole batch (never evicted for it).
 
     A job whose growth failed, or that found no room after it, gets the
     error in ``results``.
@@ -261,7 +272,7 @@ async def _write_group(
     for job in jobs:
         if job.ref is NO_ROW:
             late = late or not job.reserved
-            ref = await _take_row(tier, job, jobs)
+            ref = await _take_row(tier, job, protect)
             if isinstance(ref, StorageError):
                 results[job.pos] = ref
                 fail(tier, ref.kind)
@@ -365,7 +376,9 @@ async def _grow_step(
     return None, plan.stop - plan.start
 
 
-async def _take_row(tier: NVMeTier, job: WriteJob, jobs: list[WriteJob]) -> RowRef | StorageError:
+async def _take_row(
+    tier: NVMeTier, job: WriteJob, protect: Container[OffloadKey]
+) -> RowRef | StorageError:
     """Take a free row for a job, growing the group's segments when it has none.
 
     A free row that holds its disk blocks first; else a punched free row,
@@ -375,8 +388,8 @@ async def _take_row(tier: NVMeTier, job: WriteJob, jobs: list[WriteJob]) -> RowR
     may evict keys of any group or hand over its own group's key's row).
     When the allocation or growth step fails because the filesystem is full
     (ENOSPC, EDQUOT), one row is tried (a step); when that fails too, the
-    row of the group's least recently used evictable key not among ``jobs``
-    (the keys of its call) is taken instead (:meth:`RowIndex.evict_own`): a
+    row of the group's least recently used evictable key not in ``protect``
+    (the keys of its batch) is taken instead (:meth:`RowIndex.evict_own`): a
     tier whose disk holds less than ``capacity_bytes`` keeps storing new
     keys, as an LRU cache within the space it got, and tries to grow again
     at its next need. On another failed growth, or with no such key, the
@@ -387,7 +400,7 @@ async def _take_row(tier: NVMeTier, job: WriteJob, jobs: list[WriteJob]) -> RowR
     lock = tier._segment_locks.setdefault(group_id, asyncio.Lock())
     while True:
         if not job.reserved and index.has_row(group_id):
-            ok, own = index.reserve(group_id, {j.key for j in jobs})
+            ok, own = index.reserve(group_id, protect)
             if not ok:
                 return _no_room(tier, group_id)
             job.reserved = True
@@ -417,7 +430,6 @@ async def _take_row(tier: NVMeTier, job: WriteJob, jobs: list[WriteJob]) -> RowR
                 if exc is None:
                     tier._ahead_paused.discard(group_id)
                     continue
-            protect = {j.key for j in jobs} if full else ()  # built on this path only
             if full and (ref := index.evict_own(group_id, protect, job.reserved)) is not None:
                 job.reserved = True
                 if not tier._disk_full_logged:

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from kvtier._types import OffloadKey
 
-__all__ = ["Growth", "RowEntry", "RowIndex", "RowRef"]
+__all__ = ["DEFERRED", "Growth", "RowEntry", "RowIndex", "RowRef"]
 
 
 WINDOW_SHARE = 32
@@ -77,6 +77,11 @@ class RowRef:
     group_id: int
     segment: int
     row: int
+
+
+DEFERRED = RowRef(-2, -2, -2)
+"""What :meth:`RowIndex.reserve` returns with ``(False, DEFERRED)``: room needs
+keys of other groups only, and ``evict_others`` was False (nothing evicted)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,17 +330,18 @@ class RowIndex:
         Args:
             group_id: the writer's group.
             protect: keys never evicted (those of the writing call).
-            evict_others: False: when the keys to evict for room include none
-                of ``group_id`` (so no row would be handed over), evict nothing
-                and return ``(False, None)``. For a writer whose group has no
-                free row: it grows first, then reserves (on a full filesystem
-                it takes its own group's key, :meth:`evict_own`, and evicts
-                nothing else).
+            evict_others: False, for a writer whose group has no free row at
+                hand: when the keys to evict for room include none of
+                ``group_id`` (no row would be handed over), nothing is
+                evicted and ``(False, DEFERRED)`` returned: the writer grows
+                first, then reserves (on a full filesystem it takes its own
+                group's key, :meth:`evict_own`, and evicts nothing else).
 
         Returns:
             ``(False, None)``: no room (the row is larger than the capacity, or
-            the capacity is held by pinned, protected or in-flight rows; or
-            ``evict_others`` is False and room needs other groups' keys only).
+            the capacity is held by pinned, protected or in-flight rows).
+            ``(False, DEFERRED)``: ``evict_others`` is False and room needs
+            keys of other groups only (nothing evicted).
             ``(True, ref)``: room reserved; ``ref`` is an evicted row of the
             same group, now reserved for the caller, or ``None``: take a row
             with :meth:`take_free` (growing the group when there is none), or
@@ -361,7 +367,7 @@ class RowIndex:
             else:
                 return False, None
             if not evict_others and all(key.group_id != group_id for key in victims):
-                return False, None  # none of them would hand a row over: grow first
+                return False, DEFERRED  # none of them would hand a row over: grow first
         own: RowRef | None = None
         for key in victims:
             entry = self._lru.pop(key)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvtier import OffloadKey
-from kvtier.io._index import RowIndex, RowRef
+from kvtier.io._index import DEFERRED, RowIndex, RowRef
 
 ROWS = {0: 4096, 1: 8192, 2: 4096}
 KEYS = [OffloadKey(bytes([i + 1]), i % 3) for i in range(9)]
@@ -108,6 +108,9 @@ class IndexMachine(RuleBasedStateMachine):
                 self.index.unreserve(g)  # (the tier would grow; covered by write)
             return
         assert not gone
+        if ref is not DEFERRED:  # no room at all: nothing to grow for
+            assert ref is None
+            return
         if grow == "fails":
             return
         if grow == "disk_full":  # no reservation was made: the row is the reservation
@@ -414,7 +417,7 @@ def test_a_writer_without_a_row_reserves_after_growth_and_a_full_disk_evicts_its
     assert not index.has_row(0)
     new, new2 = OffloadKey(b"n", 0), OffloadKey(b"m", 0)
     # room only by evicting b0, whose row group 0 cannot use: nothing is evicted yet
-    assert index.reserve(0, {new}, evict_others=False) == (False, None)
+    assert index.reserve(0, {new}, evict_others=False) == (False, DEFERRED)
     assert index.lru_keys() == [b0, b1, a0, a1]
     # the filesystem is full: group 0's own LRU key gives its row, and only it
     ref = index.evict_own(0, {new}, reserved=False)
