@@ -14,6 +14,10 @@ import errno
 import json
 import os
 import pathlib
+import select
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -194,6 +198,41 @@ async def until_set(event: threading.Event, what: str = "the held I/O never star
 def rig_factory(cls: Any, holder: list[Any]) -> Any:
     """A ``row_io_wrapper`` that wraps the backend in ``cls`` and appends the rig to ``holder``."""
     return lambda inner: holder.append(cls(inner)) or holder[-1]
+
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def kill_child(args: Sequence[str], err_path: pathlib.Path, delay: float) -> bool:
+    """Run ``python -m ARGS`` from the repository, SIGKILL it ``delay`` s after its "ready" line.
+
+    The child's stderr goes to ``err_path``. Raises AssertionError (with the
+    end of that stderr) when no "ready" line comes within 30 s.
+
+    Returns:
+        Whether the child was still alive when killed.
+    """
+    with err_path.open("w") as err_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", *args],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=err_file,
+            text=True,
+        )
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        line = proc.stdout.readline().strip() if ready else "(no line in 30 s)"
+        if line != "ready":
+            proc.kill()
+            proc.communicate(timeout=30)
+            raise AssertionError(f"{line}: {err_path.read_text()[-3000:]}")
+        time.sleep(delay)
+        alive = proc.poll() is None
+        if alive:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+    return alive
 
 
 def kill_log(

@@ -30,10 +30,7 @@ import json
 import os
 import pathlib
 import random
-import select
 import shutil
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -50,7 +47,7 @@ from kvtier.io._format import TRAILER_NBYTES, decode_trailer
 
 from ..io.conftest import Slots
 from . import test_review_diskfull13 as df13
-from ._faultio import kill_log, rig_factory, until_set
+from ._faultio import kill_child, kill_log, rig_factory, until_set
 from .test_review_diskfull13 import (
     BIG,
     HEADER,
@@ -77,7 +74,6 @@ from .test_review_diskfull13 import (
 tmpfs = df13.tmpfs  # the fixtures: a real tmpfs / ext4 loop mount of a given size (root only)
 ext4 = df13.ext4
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 C = MID  # a third group of 8 KiB rows
 EQ3 = {A: NB[A], B: NB[B], C: NB[C]}
 UNEQUAL = {BIG: G[BIG], SMALL: G[SMALL]}  # rows of 40 and 8 KiB
@@ -833,24 +829,8 @@ def test_sigkill_during_late_reservations_and_disk_full_evictions(tmp_path) -> N
     for it in range(2):
         log_path, err_path = tmp_path / f"log{it}", tmp_path / f"err{it}"
         log_path.write_text("")
-        with err_path.open("w") as err_file:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.reliability.test_review_defer14", "crash",
-                 str(root), str(log_path)],
-                cwd=REPO, stdout=subprocess.PIPE, stderr=err_file, text=True,
-            )  # fmt: skip
-            assert proc.stdout is not None
-            ready, _, _ = select.select([proc.stdout], [], [], 30)
-            line = proc.stdout.readline().strip() if ready else "(no line in 30 s)"
-            if line != "ready":
-                proc.kill()
-                proc.communicate(timeout=30)
-                raise AssertionError(f"{line}: {err_path.read_text()[-3000:]}")
-            time.sleep(rng.uniform(1.0, 1.5))
-            alive = proc.poll() is None
-            if alive:
-                os.kill(proc.pid, signal.SIGKILL)
-            proc.communicate(timeout=30)
+        args = ["tests.reliability.test_review_defer14", "crash", str(root), str(log_path)]
+        alive = kill_child(args, err_path, rng.uniform(1.0, 1.5))
         assert alive, err_path.read_text()[-3000:]
         entries, last, allowed = kill_log(log_path, err_path, history)
         assert not [e for e in entries if "BAD" in e]

@@ -28,9 +28,7 @@ import json
 import os
 import pathlib
 import random
-import select
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -48,12 +46,11 @@ from kvtier.io._index import RowIndex
 
 from ..io.conftest import Slots, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
-from ._faultio import kill_log, rig_factory, snapshot, until_set
+from ._faultio import kill_child, kill_log, rig_factory, snapshot, until_set
 from ._model import Gpu, chunks_for, engine_config, load_check, nvme_config, store_ok
 from ._model import key as model_key
 from .test_review_window11 import _states as window11_states
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 TRAILER = 4096
 HEADER = 4096
 BIG, SMALL, MID = 0, 1, 2
@@ -989,24 +986,8 @@ def test_sigkill_while_writing_into_a_full_filesystem(tmpfs, tmp_path, mode) -> 
         log_path = tmp_path / f"log{it}"
         log_path.write_text("")
         err_path = tmp_path / f"err{it}"
-        with err_path.open("w") as err_file:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.reliability.test_review_diskfull13", "crash",
-                 str(root), str(log_path), mode],
-                cwd=REPO, stdout=subprocess.PIPE, stderr=err_file, text=True,
-            )  # fmt: skip
-            assert proc.stdout is not None
-            ready, _, _ = select.select([proc.stdout], [], [], 30)
-            line = proc.stdout.readline().strip() if ready else "(no line in 30 s)"
-            if line != "ready":
-                proc.kill()
-                proc.communicate(timeout=30)
-                raise AssertionError(f"{line}: {err_path.read_text()[-3000:]}")
-            time.sleep(rng.uniform(1.0, 2.0))
-            alive = proc.poll() is None
-            if alive:
-                os.kill(proc.pid, signal.SIGKILL)
-            proc.communicate(timeout=30)
+        args = ["tests.reliability.test_review_diskfull13", "crash", str(root), str(log_path), mode]
+        alive = kill_child(args, err_path, rng.uniform(1.0, 2.0))
         assert alive, err_path.read_text()[-3000:]
         entries, last, allowed = kill_log(log_path, err_path, history)
         after: set[tuple[str, int]] = set()

@@ -25,13 +25,9 @@ import json
 import os
 import pathlib
 import random
-import select
 import shutil
-import signal
-import subprocess
 import sys
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -42,10 +38,9 @@ from kvtier.io import NVMeTier, RowIO
 
 from ..io.conftest import Slots, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
-from ._faultio import kill_log, rig_factory, snapshot, until_set
+from ._faultio import kill_child, kill_log, rig_factory, snapshot, until_set
 from .test_review_window11 import _states  # nothing in flight: every row in one state
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 TRAILER = 4096
 HEADER = 4096
 BIG, SMALL = 0, 1
@@ -715,22 +710,8 @@ def test_sigkill_with_unequal_rows_never_gives_wrong_bytes_or_brings_back_old_ke
         log_path = tmp_path / f"log{it}"
         log_path.write_text("")
         err_path = tmp_path / f"err{it}"
-        with err_path.open("w") as err_file:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.reliability.test_review_unequal12", "crash",
-                 str(root), str(log_path)],
-                cwd=REPO, stdout=subprocess.PIPE, stderr=err_file, text=True,
-            )  # fmt: skip
-            assert proc.stdout is not None
-            ready, _, _ = select.select([proc.stdout], [], [], 30)
-            line = proc.stdout.readline().strip() if ready else "(no line in 30 s)"
-            if line != "ready":
-                proc.kill()
-                proc.communicate(timeout=30)
-                raise AssertionError(f"{line}: {err_path.read_text()[-3000:]}")
-            time.sleep(rng.uniform(0.5, 1.5))
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.communicate(timeout=30)
+        args = ["tests.reliability.test_review_unequal12", "crash", str(root), str(log_path)]
+        kill_child(args, err_path, rng.uniform(0.5, 1.5))
         entries, last, allowed = kill_log(log_path, err_path, history)
         for e in entries[last + 1 :]:
             h, g, s = e["w"]

@@ -26,12 +26,8 @@ import json
 import os
 import pathlib
 import random
-import select
-import signal
-import subprocess
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,12 +42,11 @@ from kvtier.io._index import RowIndex, RowRef
 from ..cli.test_review_fixes9_cli import bench_fails
 from ..io.conftest import GROUP_NBYTES, Slots, key, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
-from ._faultio import rig_factory, until_set
+from ._faultio import kill_child, rig_factory, until_set
 from ._model import Gpu, chunks_for, engine_config, load_check, nvme_config, store_ok
 from ._model import key as model_key
 from .test_review_reuse10 import _read, _snapshot
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 TRAILER = 4096
 ROW = {g: -(-n // 4096) * 4096 + TRAILER for g, n in GROUP_NBYTES.items()}  # 20480, 8192, 16384
 
@@ -854,34 +849,8 @@ def test_sigkill_while_writes_overwrite_own_group_rows_in_place(tmp_path) -> Non
         known_path = tmp_path / f"known{it}.json"
         known_path.write_text(json.dumps(known))
         err_path = tmp_path / f"err{it}"
-        err_file = err_path.open("w")
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.reliability.test_review_window11",
-                "crash",
-                str(root),
-                str(log_path),
-                str(known_path),
-            ],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=err_file,
-            text=True,
-        )
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 30)
-        line = proc.stdout.readline().strip() if ready else "(no line in 30 s)"
-        if line != "ready":
-            proc.kill()
-            proc.communicate(timeout=30)
-            err_file.close()
-            raise AssertionError(f"{line}: {err_path.read_text()[-3000:]}")
-        time.sleep(rng.uniform(0.01, 0.25))
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=30)
-        err_file.close()
+        args = ["tests.reliability.test_review_window11", "crash", str(root), str(log_path)]
+        kill_child([*args, str(known_path)], err_path, rng.uniform(0.01, 0.25))
         log = []
         for text in log_path.read_text().splitlines():
             with contextlib.suppress(json.JSONDecodeError):  # the line the kill cut
