@@ -252,7 +252,11 @@ class EngineStats:
         hits: keys a load found in a CPU slot.
         nvme_hits: keys a load found only on NVMe and promoted into a CPU
             slot (a hit rate over both tiers is
-            ``(hits + nvme_hits) / (hits + nvme_hits + misses)``).
+            ``(hits + nvme_hits) / (hits + nvme_hits + misses)``). Both
+            count a key once it is in a CPU slot for the load, before the
+            copy to the GPU: a load cancelled after that counts too (its
+            promoted keys stay in CPU slots; loading them again counts them
+            in ``hits``).
         misses: keys a load found on no medium (or without the requested
             sub-blocks).
         evictions: keys evicted from CPU slots.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import logging
 import time
 from collections.abc import Callable, Container
@@ -328,6 +329,23 @@ async def _request_done(fut: concurrent.futures.Future[int]) -> int:
         raise
 
 
+_FREE_STEPS = 4
+"""A group grows by a whole step (ahead of need, or on demand) only while the
+filesystem has this many of its steps free; on demand it grows by one row
+otherwise, so that on a small filesystem one group's step cannot take the
+room of every other group's rows (a group with no row and no key to take
+could not store anything)."""
+
+
+async def _room_for_steps(tier: NVMeTier, group_id: int) -> bool:
+    """Whether the filesystem has ``_FREE_STEPS`` growth steps of the group free."""
+    try:
+        free = await tier._run_meta(_files.free_nbytes, tier.directory)
+    except OSError:
+        return True  # not known: the growth itself will tell
+    return bool(free >= _FREE_STEPS * tier._index.grow_step_nbytes(group_id))
+
+
 def grow_ahead(tier: NVMeTier, group_id: int) -> None:
     """Start growing a group's segments in the background if it runs low on free rows.
 
@@ -347,11 +365,23 @@ async def _grow_ahead(tier: NVMeTier, group_id: int, lock: asyncio.Lock) -> None
     async with lock:
         if not tier._index.wants_growth(group_id):
             return
-        exc, _ = await _grow_step(tier, group_id)
+        if not await _room_for_steps(tier, group_id):
+            # A step ahead of need would take the room another group's next row needs.
+            exc: Exception | None = OSError(
+                errno.ENOSPC, f"under {_FREE_STEPS} growth steps free on the filesystem"
+            )
+        else:
+            exc, _ = await _grow_step(tier, group_id)
         if exc is not None:
             tier._ahead_paused.add(group_id)
-            log.info(
-                "growing group %d ahead of need failed (on demand only now): %s", group_id, exc
+            first = group_id not in tier._ahead_failed
+            tier._ahead_failed.add(group_id)
+            log.log(
+                logging.INFO if first else logging.DEBUG,
+                "growing group %d ahead of need failed (it grows on demand only until an "
+                "on-demand growth succeeds): %s",
+                group_id,
+                exc,
             )
 
 
@@ -365,6 +395,8 @@ async def _grow_step(
     """
     index = tier._index
     plan = index.plan_growth(group_id, max_rows)
+    in_flight = asyncio.get_running_loop().create_future()
+    tier._growing[group_id] = in_flight  # a group that finds the disk full waits for it
     try:
         if index.over_budget:  # first punch free rows the workload left (never raises)
             await reclaim(tier)
@@ -372,6 +404,9 @@ async def _grow_step(
     except Exception as exc:
         index.abandon_growth(plan)
         return exc, plan.stop - plan.start
+    finally:
+        del tier._growing[group_id]
+        in_flight.set_result(None)
     index.commit_growth(plan)
     return None, plan.stop - plan.start
 
@@ -398,6 +433,7 @@ async def _take_row(
     index = tier._index
     group_id = job.key.group_id
     lock = tier._segment_locks.setdefault(group_id, asyncio.Lock())
+    tried: set[str] = set()  # what _on_full_disk did for this row
     while True:
         if not job.reserved and index.has_row(group_id):
             ok, own = index.reserve(group_id, protect)
@@ -422,7 +458,8 @@ async def _take_row(
                     continue
                 full = storage_error_kind(exc) == "enospc"  # or EDQUOT
             else:
-                exc, rows = await _grow_step(tier, group_id)
+                one = None if await _room_for_steps(tier, group_id) else 1
+                exc, rows = await _grow_step(tier, group_id, max_rows=one)
                 full = exc is not None and storage_error_kind(exc) == "enospc"
                 if full and rows > 1:  # a whole step did not fit: one row may
                     exc, _ = await _grow_step(tier, group_id, max_rows=1)
@@ -430,21 +467,56 @@ async def _take_row(
                 if exc is None:
                     tier._ahead_paused.discard(group_id)
                     continue
-            if full and (ref := index.evict_own(group_id, protect, job.reserved)) is not None:
-                job.reserved = True
+            if full:
                 if not tier._disk_full_logged:
                     tier._disk_full_logged = True
                     log.warning(
                         "kvtier: the filesystem of %s is full below capacity_bytes (%s): "
-                        "new rows now reuse the rows of their group's least recently "
-                        "used keys (counted as disk_full_evictions)",
+                        "new rows now take disk blocks from free rows of other groups, "
+                        "then reuse the rows of their group's least recently used keys "
+                        "(counted as disk_full_evictions)",
                         tier.directory,
                         exc,
                     )
-                return ref
+                if (ref := await _on_full_disk(tier, job, protect, tried)) is not None:
+                    if ref is _RETRY:
+                        continue
+                    return ref
             if job.reserved:
                 index.unreserve(group_id)
             return as_storage_error(exc, f"cannot grow the segments of group {group_id}")
+
+
+_RETRY = RowRef(-3, -3, -3)
+
+
+async def _on_full_disk(
+    tier: NVMeTier, job: WriteJob, protect: Container[OffloadKey], tried: set[str]
+) -> RowRef | None:
+    """A row of ``job``'s group cannot grow: the filesystem is full (ENOSPC, EDQUOT).
+
+    Growths of other groups in flight are waited for first, once per row
+    (``tried``), and the growth tried again: a failing ``fallocate`` holds
+    blocks until it gives up. Else the row of the group's least recently
+    used evictable key not in ``protect`` is taken
+    (:meth:`RowIndex.evict_own`).
+
+    Returns:
+        A row for the job (its group's key's, now the job's reservation),
+        ``_RETRY`` (grow again), or None (nothing to take: the job fails with
+        the growth's error).
+    """
+    index = tier._index
+    group_id = job.key.group_id
+    others = [f for g, f in tier._growing.items() if g != group_id]
+    if others and not tried:
+        tried.add("wait")
+        await asyncio.wait(others)
+        return _RETRY
+    if (ref := index.evict_own(group_id, protect, job.reserved)) is not None:
+        job.reserved = True
+        return ref
+    return None
 
 
 async def _fill_hole(tier: NVMeTier, ref: RowRef) -> Exception | None:
@@ -527,8 +599,18 @@ async def reclaim(tier: NVMeTier) -> None:
     if punch:
         index.mark_punched(refs)
         refs += index.take_to_punch(index.held_nbytes - index.disk_budget_nbytes)
-    if not refs:
-        return
+    if refs:
+        await _blank(tier, refs, punch)
+
+
+async def _blank(tier: NVMeTier, refs: list[RowRef], punch: bool) -> None:
+    """Blank rows the index handed out (stale, or taken to punch) and give them back to it.
+
+    See :func:`reclaim`; with ``punch``, the rows' blocks are deallocated
+    (``refs`` are counted as punched already: :meth:`RowIndex.mark_punched`).
+    Never raises.
+    """
+    index = tier._index
     by_segment: dict[tuple[int, int], list[int]] = {}
     for ref in refs:
         by_segment.setdefault((ref.group_id, ref.segment), []).append(ref.row)

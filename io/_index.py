@@ -296,6 +296,10 @@ class RowIndex:
         self.allocated_nbytes += (plan.stop - plan.start) * row
         return plan
 
+    def grow_step_nbytes(self, group_id: int) -> int:
+        """Bytes of one full growth step of a group (``grow_rows`` rows)."""
+        return self._grow_rows[group_id] * self._row_nbytes[group_id]
+
     def commit_growth(self, plan: Growth) -> None:
         """The planned rows exist on disk (blank): add them to the free rows."""
         self._segments[plan.group_id].setdefault(plan.segment, [plan.num_rows, 0])[1] = plan.stop

@@ -212,9 +212,12 @@ class NVMeTier:
         self._options = (io_backend, direct_io, io_threads, row_io_wrapper)
         self._grow_ahead = bool(grow_ahead)
         self._ahead_paused: set[int] = set()  # groups whose last growth ahead failed
+        self._ahead_failed: set[int] = set()  # groups whose growth ahead failed once (logged)
         self._can_punch = True  # False once fallocate(PUNCH_HOLE) was not supported here
         # One future per reclaim whose blanking I/O is in flight (see _batches.reclaim).
         self._blanking: set[asyncio.Future[None]] = set()
+        # The future of each group's growth in flight (see _batches._grow_step).
+        self._growing: dict[int, asyncio.Future[None]] = {}
         self._state = "new"
         self._row_io: RowIO | None = None
         self._aio: SubmittingRowIO | None = None  # row requests are queued through it
@@ -503,7 +506,8 @@ class NVMeTier:
         Keys: ``rows_resident``, ``bytes_used`` (rows of visible keys and
         writes in flight; ``<= capacity_bytes``), ``capacity_bytes``,
         ``bytes_allocated`` (rows allocated in segment files, free ones
-        included), ``read_bytes``, ``read_seconds``, ``write_bytes``, ``write_seconds``,
+        and growths in flight included), ``read_bytes``, ``read_seconds``,
+        ``write_bytes``, ``write_seconds``,
         ``read_requests``, ``write_requests``, ``failures_<kind>`` for every
         kind in :data:`FAILURE_KINDS`, ``checksum_failures`` (the same count as
         ``failures_checksum``, under the name of its Prometheus counter), ``evictions``,

@@ -224,9 +224,10 @@ async def test_short_write_in_a_coalesced_request_keeps_the_rows_before_the_cut(
 async def test_segment_growth_enospc_fails_its_rows_then_recovers(tmp_path) -> None:
     gpu = Gpu()
     cs = chunks([f"g{i}" for i in range(6)])
-    # A step that does not fit is tried again as one row (session 13), and the two
-    # groups grow concurrently: with three failures one group's step and retry fail.
-    wrap = Wrapper(KeyFault("allocate", "errno", err=errno.ENOSPC, times=3))
+    # A step that does not fit is tried again as one row (session 13), and once more
+    # after another group's growth in flight ended (session 14): six failures exhaust
+    # the tries of at least one of the two groups, which grow concurrently.
+    wrap = Wrapper(KeyFault("allocate", "errno", err=errno.ENOSPC, times=6))
     cfg = engine_config(gpu, 8, nvme_config(tmp_path, wrapper=wrap, grow_ahead=False))
     async with kvtier.TransferEngine(gpu.layout, cfg) as engine:
         await store_ok(engine, gpu, cs)
