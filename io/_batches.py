@@ -418,13 +418,15 @@ async def _take_row(
 
     A free row that holds its disk blocks first; else a punched free row,
     whose blocks are allocated first (:func:`~kvtier.io._files.fill_row`);
-    else a growth step. A job without a reservation (``job.reserved``
+    else a growth step (one row while the filesystem has fewer than
+    ``_FREE_STEPS`` steps free). A job without a reservation (``job.reserved``
     False) reserves once a row is at hand (:meth:`RowIndex.reserve`, which
     may evict keys of any group or hand over its own group's key's row).
     When the allocation or growth step fails because the filesystem is full
-    (ENOSPC, EDQUOT), one row is tried (a step); when that fails too, the
-    row of the group's least recently used evictable key not in ``protect``
-    (the keys of its batch) is taken instead (:meth:`RowIndex.evict_own`): a
+    (ENOSPC, EDQUOT), one row is tried (a step); when that fails too,
+    :func:`_on_full_disk` waits for other groups' growths in flight and tries
+    again, or takes the row of the group's least recently used evictable key
+    not in ``protect`` (the keys of its batch) (:meth:`RowIndex.evict_own`): a
     tier whose disk holds less than ``capacity_bytes`` keeps storing new
     keys, as an LRU cache within the space it got, and tries to grow again
     at its next need. On another failed growth, or with no such key, the
@@ -433,7 +435,7 @@ async def _take_row(
     index = tier._index
     group_id = job.key.group_id
     lock = tier._segment_locks.setdefault(group_id, asyncio.Lock())
-    tried: set[str] = set()  # what _on_full_disk did for this row
+    waited = False  # for other groups' growths, once (_on_full_disk)
     while True:
         if not job.reserved and index.has_row(group_id):
             ok, own = index.reserve(group_id, protect)
@@ -472,14 +474,14 @@ async def _take_row(
                     tier._disk_full_logged = True
                     log.warning(
                         "kvtier: the filesystem of %s is full below capacity_bytes (%s): "
-                        "new rows now take disk blocks from free rows of other groups, "
-                        "then reuse the rows of their group's least recently used keys "
-                        "(counted as disk_full_evictions)",
+                        "new rows now reuse the rows of their group's least recently "
+                        "used keys (counted as disk_full_evictions)",
                         tier.directory,
                         exc,
                     )
-                if (ref := await _on_full_disk(tier, job, protect, tried)) is not None:
+                if (ref := await _on_full_disk(tier, job, protect, waited)) is not None:
                     if ref is _RETRY:
+                        waited = True
                         continue
                     return ref
             if job.reserved:
@@ -491,14 +493,14 @@ _RETRY = RowRef(-3, -3, -3)
 
 
 async def _on_full_disk(
-    tier: NVMeTier, job: WriteJob, protect: Container[OffloadKey], tried: set[str]
+    tier: NVMeTier, job: WriteJob, protect: Container[OffloadKey], waited: bool
 ) -> RowRef | None:
     """A row of ``job``'s group cannot grow: the filesystem is full (ENOSPC, EDQUOT).
 
     Growths of other groups in flight are waited for first, once per row
-    (``tried``), and the growth tried again: a failing ``fallocate`` holds
-    blocks until it gives up. Else the row of the group's least recently
-    used evictable key not in ``protect`` is taken
+    (unless ``waited``), and the growth tried again: a failing ``fallocate``
+    holds blocks until it gives up. Else the row of the group's least
+    recently used evictable key not in ``protect`` is taken
     (:meth:`RowIndex.evict_own`).
 
     Returns:
@@ -509,8 +511,7 @@ async def _on_full_disk(
     index = tier._index
     group_id = job.key.group_id
     others = [f for g, f in tier._growing.items() if g != group_id]
-    if others and not tried:
-        tried.add("wait")
+    if others and not waited:
         await asyncio.wait(others)
         return _RETRY
     if (ref := index.evict_own(group_id, protect, job.reserved)) is not None:
