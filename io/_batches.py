@@ -337,13 +337,30 @@ room of every other group's rows (a group with no row and no key to take
 could not store anything)."""
 
 
-async def _room_for_steps(tier: NVMeTier, group_id: int) -> bool:
-    """Whether the filesystem has ``_FREE_STEPS`` growth steps of the group free."""
-    try:
-        free = await tier._run_meta(_files.free_nbytes, tier.directory)
-    except OSError:
-        return True  # not known: the growth itself will tell
-    return bool(free >= _FREE_STEPS * tier._index.grow_step_nbytes(group_id))
+async def _claim_growth(tier: NVMeTier, group_id: int) -> tuple[int | None, int]:
+    """Size a growth of a group against the filesystem's free space, and claim that space.
+
+    A whole step while the free space (``statvfs``), less what other growths
+    decided and not yet done claimed, holds ``_FREE_STEPS`` steps of the
+    group; else one row. Growths are sized one at a time (a tier lock), so
+    groups that grow together do not all see the same free space. The caller
+    gives the claim back (``tier._growth_claims -= claim``) once the growth
+    ended.
+
+    Returns:
+        ``(max_rows for the growth: None for a whole step or 1, bytes claimed)``.
+    """
+    index = tier._index
+    step = index.grow_step_nbytes(group_id)
+    async with tier._growth_lock:
+        try:
+            free: int | None = await tier._run_meta(_files.free_nbytes, tier.directory)
+        except OSError:
+            free = None  # not known: the growth itself will tell
+        whole = free is None or free - tier._growth_claims >= _FREE_STEPS * step
+        claim = step if whole else index.row_nbytes(group_id)
+        tier._growth_claims += claim
+    return (None if whole else 1), claim
 
 
 def grow_ahead(tier: NVMeTier, group_id: int) -> None:
@@ -365,13 +382,17 @@ async def _grow_ahead(tier: NVMeTier, group_id: int, lock: asyncio.Lock) -> None
     async with lock:
         if not tier._index.wants_growth(group_id):
             return
-        if not await _room_for_steps(tier, group_id):
-            # A step ahead of need would take the room another group's next row needs.
-            exc: Exception | None = OSError(
-                errno.ENOSPC, f"under {_FREE_STEPS} growth steps free on the filesystem"
-            )
-        else:
-            exc, _ = await _grow_step(tier, group_id)
+        one, claim = await _claim_growth(tier, group_id)
+        try:
+            if one is not None:
+                # A step ahead of need would take the room another group's next row needs.
+                exc: Exception | None = OSError(
+                    errno.ENOSPC, f"under {_FREE_STEPS} growth steps free on the filesystem"
+                )
+            else:
+                exc, _ = await _grow_step(tier, group_id)
+        finally:
+            tier._growth_claims -= claim
         if exc is not None:
             tier._ahead_paused.add(group_id)
             first = group_id not in tier._ahead_failed
@@ -460,8 +481,11 @@ async def _take_row(
                     continue
                 full = storage_error_kind(exc) == "enospc"  # or EDQUOT
             else:
-                one = None if await _room_for_steps(tier, group_id) else 1
-                exc, rows = await _grow_step(tier, group_id, max_rows=one)
+                one, claim = await _claim_growth(tier, group_id)
+                try:
+                    exc, rows = await _grow_step(tier, group_id, max_rows=one)
+                finally:
+                    tier._growth_claims -= claim
                 full = exc is not None and storage_error_kind(exc) == "enospc"
                 if full and rows > 1:  # a whole step did not fit: one row may
                     exc, _ = await _grow_step(tier, group_id, max_rows=1)

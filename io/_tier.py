@@ -218,6 +218,10 @@ class NVMeTier:
         self._blanking: set[asyncio.Future[None]] = set()
         # The future of each group's growth in flight (see _batches._grow_step).
         self._growing: dict[int, asyncio.Future[None]] = {}
+        # Growths are sized one at a time against the free space, less what the
+        # growths sized and not yet done claimed (see _batches._claim_growth).
+        self._growth_lock = asyncio.Lock()
+        self._growth_claims = 0
         self._state = "new"
         self._row_io: RowIO | None = None
         self._aio: SubmittingRowIO | None = None  # row requests are queued through it
