@@ -264,6 +264,30 @@ def kill_log(
     return entries, last, allowed
 
 
+def check_found(
+    found: Mapping[OffloadKey, bytes | None],
+    allowed: Mapping[tuple[str, int], set[int]],
+    data: Any,
+) -> int:
+    """Check a reopen after a kill against :func:`kill_log`'s ``allowed`` sequence numbers.
+
+    Every key found must be allowed (not evicted or replaced before the last
+    flush) and hold the bytes ``data(key, seq)`` of one of its allowed writes,
+    or be unreadable (None: a row the kill tore).
+
+    Returns:
+        How many keys had their bytes checked.
+    """
+    checked = 0
+    for k, got in found.items():
+        name = (k.block_hash.decode(), k.group_id)
+        assert name in allowed, f"{name} was evicted or replaced before the last flush"
+        if got is not None:
+            assert any(got == data(k, s) for s in allowed[name]), name
+            checked += 1
+    return checked
+
+
 async def snapshot(
     tier: NVMeTier, nbytes: Mapping[int, int], slot_nbytes: int
 ) -> dict[OffloadKey, bytes | None]:

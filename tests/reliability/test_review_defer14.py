@@ -47,7 +47,7 @@ from kvtier.io._format import TRAILER_NBYTES, decode_trailer
 
 from ..io.conftest import Slots
 from . import test_review_diskfull13 as df13
-from ._faultio import kill_child, kill_log, rig_factory, until_set
+from ._faultio import check_found, kill_child, kill_log, rig_factory, until_set
 from .test_review_diskfull13 import (
     BIG,
     HEADER,
@@ -841,12 +841,7 @@ def test_sigkill_during_late_reservations_and_disk_full_evictions(tmp_path) -> N
         _, st = asyncio.run(df13._reopened(root, CRASH_GROUPS, capacity_bytes=CRASH_CAP))
         assert st["evictions"] == 0, "valid rows on disk exceed capacity_bytes"
         found, _ = asyncio.run(df13._reopened(root, CRASH_GROUPS))
-        for k, data in found.items():
-            name = (k.block_hash.decode(), k.group_id)
-            assert name in allowed, f"{name} was evicted or replaced before the last flush"
-            if data is not None:
-                assert any(data == _data(k, s) for s in allowed[name]), name
-                checked += 1
+        checked += check_found(found, allowed, _data)
     assert checked > 10
 
 

@@ -46,7 +46,7 @@ from kvtier.io._index import RowIndex
 
 from ..io.conftest import Slots, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
-from ._faultio import kill_child, kill_log, rig_factory, snapshot, until_set
+from ._faultio import check_found, kill_child, kill_log, rig_factory, snapshot, until_set
 from ._model import Gpu, chunks_for, engine_config, load_check, nvme_config, store_ok
 from ._model import key as model_key
 from .test_review_window11 import _states as window11_states
@@ -1004,12 +1004,7 @@ def test_sigkill_while_writing_into_a_full_filesystem(tmpfs, tmp_path, mode) -> 
         found, st = asyncio.run(_reopened(root, capacity_bytes=CRASH_CAP[mode]))
         assert st["evictions"] == 0, "valid rows on disk exceed capacity_bytes"
         found, st = asyncio.run(_reopened(root))
-        for k, data in found.items():
-            name = (k.block_hash.decode(), k.group_id)
-            assert name in allowed, f"{name} was evicted or replaced before the last flush"
-            if data is not None:
-                assert any(data == _data(k, s) for s in allowed[name]), name
-                checked += 1
+        checked += check_found(found, allowed, _data)
         flushed = {(h, g) for h, g, _ in entries[last]["flushed"]}
         names = {(k.block_hash.decode(), k.group_id) for k in found}
         # a row of 40 KiB frees room for five of 8 KiB; at most two keys per row (see the

@@ -38,7 +38,7 @@ from kvtier.io import NVMeTier, RowIO
 
 from ..io.conftest import Slots, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
-from ._faultio import kill_child, kill_log, rig_factory, snapshot, until_set
+from ._faultio import check_found, kill_child, kill_log, rig_factory, snapshot, until_set
 from .test_review_window11 import _states  # nothing in flight: every row in one state
 
 TRAILER = 4096
@@ -718,12 +718,7 @@ def test_sigkill_with_unequal_rows_never_gives_wrong_bytes_or_brings_back_old_ke
             allowed.setdefault((h, g), set()).add(s)
         found, _ = asyncio.run(_reopened(root))  # room for every row: nothing hides a comeback
         after = {(e["w"][0], e["w"][1]) for e in entries[last + 1 :]}
-        for k, data in found.items():
-            name = (k.block_hash.decode(), k.group_id)
-            assert name in allowed, f"{name} was evicted or replaced before the last flush"
-            if data is not None:
-                assert any(data == _data(k, s) for s in allowed[name]), name
-                checked += 1
+        checked += check_found(found, allowed, _data)
         # flushed keys lost: evicted by the writes after the flush (one big row: 5 small ones)
         flushed = {(h, g) for h, g, _ in entries[last]["flushed"]}
         names = {(k.block_hash.decode(), k.group_id) for k in found}
