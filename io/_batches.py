@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import errno
 import logging
+import shutil
 import time
-from collections.abc import Callable, Container
+from collections.abc import AsyncIterator, Callable, Container
 from typing import TYPE_CHECKING, Any
 
 from kvtier._types import OffloadKey
@@ -337,30 +339,34 @@ room of every other group's rows (a group with no row and no key to take
 could not store anything)."""
 
 
-async def _claim_growth(tier: NVMeTier, group_id: int) -> tuple[int | None, int]:
+@contextlib.asynccontextmanager
+async def _claim_growth(tier: NVMeTier, group_id: int) -> AsyncIterator[int | None]:
     """Size a growth of a group against the filesystem's free space, and claim that space.
 
-    A whole step while the free space (``statvfs``), less what other growths
-    decided and not yet done claimed, holds ``_FREE_STEPS`` steps of the
-    group; else one row. Growths are sized one at a time (a tier lock), so
-    groups that grow together do not all see the same free space. The caller
-    gives the claim back (``tier._growth_claims -= claim``) once the growth
-    ended.
+    A whole step while the free space (``shutil.disk_usage``), less what
+    other growths sized and not yet done claimed, holds ``_FREE_STEPS``
+    steps of the group; else one row. Growths are sized one at a time (a
+    tier lock), so groups that grow together do not all see the same free
+    space. The claim is given back when the ``async with`` block ends (the
+    growth ended).
 
-    Returns:
-        ``(max_rows for the growth: None for a whole step or 1, bytes claimed)``.
+    Yields:
+        ``max_rows`` for the growth: None for a whole step, or 1.
     """
     index = tier._index
     step = index.grow_step_nbytes(group_id)
     async with tier._growth_lock:
         try:
-            free: int | None = await tier._run_meta(_files.free_nbytes, tier.directory)
+            free: int | None = (await tier._run_meta(shutil.disk_usage, tier.directory)).free
         except OSError:
             free = None  # not known: the growth itself will tell
         whole = free is None or free - tier._growth_claims >= _FREE_STEPS * step
         claim = step if whole else index.row_nbytes(group_id)
         tier._growth_claims += claim
-    return (None if whole else 1), claim
+    try:
+        yield None if whole else 1
+    finally:
+        tier._growth_claims -= claim
 
 
 def grow_ahead(tier: NVMeTier, group_id: int) -> None:
@@ -382,8 +388,7 @@ async def _grow_ahead(tier: NVMeTier, group_id: int, lock: asyncio.Lock) -> None
     async with lock:
         if not tier._index.wants_growth(group_id):
             return
-        one, claim = await _claim_growth(tier, group_id)
-        try:
+        async with _claim_growth(tier, group_id) as one:
             if one is not None:
                 # A step ahead of need would take the room another group's next row needs.
                 exc: Exception | None = OSError(
@@ -391,8 +396,6 @@ async def _grow_ahead(tier: NVMeTier, group_id: int, lock: asyncio.Lock) -> None
                 )
             else:
                 exc, _ = await _grow_step(tier, group_id)
-        finally:
-            tier._growth_claims -= claim
         if exc is not None:
             tier._ahead_paused.add(group_id)
             first = group_id not in tier._ahead_failed
@@ -481,11 +484,8 @@ async def _take_row(
                     continue
                 full = storage_error_kind(exc) == "enospc"  # or EDQUOT
             else:
-                one, claim = await _claim_growth(tier, group_id)
-                try:
+                async with _claim_growth(tier, group_id) as one:
                     exc, rows = await _grow_step(tier, group_id, max_rows=one)
-                finally:
-                    tier._growth_claims -= claim
                 full = exc is not None and storage_error_kind(exc) == "enospc"
                 if full and rows > 1:  # a whole step did not fit: one row may
                     exc, _ = await _grow_step(tier, group_id, max_rows=1)

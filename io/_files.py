@@ -365,15 +365,6 @@ def grow_segment(row_io: RowIO, handle: Any, nbytes: int, before: int | None = N
         raise
 
 
-def free_nbytes(path: str | os.PathLike[str]) -> int:
-    """Bytes an unprivileged writer may still allocate on the filesystem of ``path``.
-
-    ``statvfs``' ``f_bavail * f_frsize``. Raises OSError.
-    """
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
 def fill_row(handle: Any, spec: GroupSpec, row: int) -> None:
     """Allocate the disk blocks of a punched row before it is written.
 
