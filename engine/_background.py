@@ -13,7 +13,7 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from kvtier._config import EngineConfig
-from kvtier._engine import TransferEngine
+from kvtier._engine import TransferEngine, _record_event
 from kvtier._types import (
     Chunk,
     EngineStats,
@@ -153,14 +153,34 @@ class BackgroundEngine:
         self.close()
 
     def store(
-        self, chunks: Sequence[Chunk], *, durable: bool = False
+        self, chunks: Sequence[Chunk], *, durable: bool = False, after: Any = None
     ) -> concurrent.futures.Future[StoreResult]:
-        """:meth:`TransferEngine.store` on the engine thread; returns a Future."""
-        return self._submit(self.engine.store(chunks, durable=durable))
+        """:meth:`TransferEngine.store` on the engine thread; returns a Future.
 
-    def load(self, chunks: Sequence[Chunk]) -> concurrent.futures.Future[LoadResult]:
-        """:meth:`TransferEngine.load` on the engine thread; returns a Future."""
-        return self._submit(self.engine.load(chunks))
+        On a CUDA layout without ``after``, the copies wait for an event
+        recorded here, on the CALLING thread's current stream (not the
+        engine thread's): the work queued before the call.
+        """
+        after = self._caller_mark(after)
+        return self._submit(self.engine.store(chunks, durable=durable, after=after))
+
+    def load(
+        self, chunks: Sequence[Chunk], *, after: Any = None
+    ) -> concurrent.futures.Future[LoadResult]:
+        """:meth:`TransferEngine.load` on the engine thread; returns a Future.
+
+        ``after`` as for :meth:`store`: by default the copies wait for the
+        work queued on the calling thread's current stream before the call.
+        """
+        after = self._caller_mark(after)
+        return self._submit(self.engine.load(chunks, after=after))
+
+    def _caller_mark(self, after: Any) -> Any:
+        """``after``, or on a CUDA layout an event recorded now on this thread's current stream."""
+        device = self.engine.layout.device
+        if after is not None or device.type != "cuda":
+            return after  # checked by the engine
+        return _record_event(device)  # pragma: no cover - CUDA hosts only
 
     def prefetch(self, keys: Sequence[OffloadKey]) -> concurrent.futures.Future[PrefetchResult]:
         """:meth:`TransferEngine.prefetch` on the engine thread; returns a Future."""

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
 
+import torch
+
 from kvtier._config import EngineConfig
 from kvtier._policy import make_policy
 from kvtier._slots import HostRegion, SlotEntry, SlotPool, SlotState
@@ -55,6 +57,7 @@ class _Call:
 
     copies: list[ChunkCopy]
     done: Callable[[BaseException | None], None]
+    after: Any = None  # CUDA: the torch.cuda.Event the copies wait for (see _mark)
 
 
 @dataclass
@@ -447,6 +450,37 @@ class TransferEngine:
         if not task.cancelled():
             task.exception()
 
+    def _mark(self, after: Any) -> Any:
+        """The CUDA event a call's copies wait for: ``after``, or one recorded now.
+
+        On a CUDA layout without ``after``, an event is recorded on the calling
+        thread's current stream at the call: the copies then wait for the work
+        queued before the call, whichever stream is current when the job is
+        submitted later (another task's ``torch.cuda.stream`` context, or the
+        engine thread of a :class:`~kvtier.BackgroundEngine`).
+
+        Returns:
+            A ``torch.cuda.Event``, or None on a CPU layout.
+
+        Raises:
+            InvalidArgumentError: ``after`` is not a ``torch.cuda.Event``, or
+                is given for a CPU layout.
+        """
+        cuda = self.layout.device.type == "cuda"
+        if after is not None:
+            if not cuda:
+                raise InvalidArgumentError(
+                    f"after= needs a CUDA layout; this layout is on {self.layout.device}"
+                )
+            if not isinstance(after, torch.cuda.Event):
+                raise InvalidArgumentError(
+                    f"after must be a torch.cuda.Event, got {type(after).__name__}"
+                )
+            return after
+        if not cuda:
+            return None
+        return _record_event(self.layout.device)  # pragma: no cover - CUDA hosts only
+
     def _check_open(self) -> None:
         if self._state != "open":
             hint = ""
@@ -596,7 +630,9 @@ class TransferEngine:
                 reach_end, reach_page = end, (g, b)
 
     # ------------------------------------------------------------------ store
-    async def store(self, chunks: Sequence[Chunk], *, durable: bool = False) -> StoreResult:
+    async def store(
+        self, chunks: Sequence[Chunk], *, durable: bool = False, after: Any = None
+    ) -> StoreResult:
         """Copy chunks from their GPU blocks into CPU slots (and write them through to NVMe).
 
         Returns when every GPU->CPU copy of the call has completed, so the GPU
@@ -623,13 +659,19 @@ class TransferEngine:
                 :meth:`load` refuses that, since it would write one page twice.
             durable: wait for the call's NVMe rows to be durable (needs an
                 NVMe tier).
+            after: CUDA layouts only: a ``torch.cuda.Event`` the copies wait
+                for before they read the GPU blocks (e.g. recorded after the
+                forward pass that wrote them). Default: an event recorded at
+                this call on the calling thread's current stream, so work
+                queued on it before the call is waited for, not later work.
 
         Returns:
             :class:`StoreResult` with ``stored``, ``skipped`` and ``rejected`` keys.
 
         Raises:
-            InvalidArgumentError: bad chunks (subclasses name the rule), or
-                ``durable`` not a bool; nothing changed.
+            InvalidArgumentError: bad chunks (subclasses name the rule),
+                ``durable`` not a bool, or ``after`` not a ``torch.cuda.Event``
+                (or given on a CPU layout); nothing changed.
             ConfigError: ``durable`` on an engine without an NVMe tier; nothing changed.
             EngineClosedError: the engine is not open.
             NotDurableError: ``durable`` and rows of the call's keys could not
@@ -643,7 +685,8 @@ class TransferEngine:
         if durable and self.config.nvme is None:
             raise ConfigError("store(durable=True) needs an NVMe tier (EngineConfig.nvme)")
         chunks = self._validate(chunks, load=False)
-        prepared = self._prepare_store(chunks, durable)
+        after = self._mark(after)
+        prepared = self._prepare_store(chunks, durable, after)
         # Cancelled here, ``prepared.result`` is cancelled too: _store_copied
         # then frees the slots once the copy has ended.
         result = await prepared.result
@@ -653,7 +696,7 @@ class TransferEngine:
         self._track(task)
         return await asyncio.shield(task)
 
-    def _prepare_store(self, chunks: list[Chunk], durable: bool) -> _PreparedStore:
+    def _prepare_store(self, chunks: list[Chunk], durable: bool, after: Any) -> _PreparedStore:
         """Synchronous half of a store: skip present keys, reserve slots, submit the copies."""
         skipped, requests, by_key = [], [], {}
         for chunk in chunks:
@@ -681,7 +724,8 @@ class TransferEngine:
             self._ready[entry.key] = prepared.ready
         if entries:
             copies = [self._copy(by_key[e.key], e.slot) for e in entries]
-            self._submit("store", _Call(copies, functools.partial(self._store_copied, prepared)))
+            done = functools.partial(self._store_copied, prepared)
+            self._submit("store", _Call(copies, done, after))
         else:
             self._store_copied(prepared, None)
         return prepared
@@ -789,7 +833,8 @@ class TransferEngine:
                 if not isolating:
                     tracker.set_result(None)
 
-        self._executors[direction].submit(plan, copied)
+        after = [c.after for c in calls if c.after is not None]
+        self._executors[direction].submit(plan, copied, after)
 
     def _count_job(
         self,
@@ -814,14 +859,15 @@ class TransferEngine:
         errors: list[BaseException | None] = []
         for call in calls:
             try:
-                await self._executors[direction].run(call.copies)
+                after = () if call.after is None else (call.after,)
+                await self._executors[direction].run(call.copies, after)
                 errors.append(None)
             except TransferError as exc:
                 errors.append(exc)
         _finish_calls(calls, errors)
 
     # ------------------------------------------------------------------ load
-    async def load(self, chunks: Sequence[Chunk]) -> LoadResult:
+    async def load(self, chunks: Sequence[Chunk], *, after: Any = None) -> LoadResult:
         """Copy chunks from CPU slots (promoting NVMe rows first) into their GPU blocks.
 
         Returns when the bytes are in the GPU blocks. A key whose store is in
@@ -846,18 +892,25 @@ class TransferEngine:
                 do not cover ``offset .. offset+len(block_ids)`` fails alone
                 with :class:`NotStoredError` in ``LoadResult.failed`` (counted
                 as a miss); the other keys load.
+            after: CUDA layouts only: a ``torch.cuda.Event`` the copies wait
+                for before they write the GPU blocks (e.g. recorded after the
+                last kernel that reads what the blocks held). Default: an
+                event recorded at this call on the calling thread's current
+                stream.
 
         Returns:
             :class:`LoadResult`.
 
         Raises:
             InvalidArgumentError: bad chunks (wrong types, block ids out of
-                range, a block twice, unknown group); nothing changed.
+                range, a block twice, unknown group), or ``after`` not a
+                ``torch.cuda.Event`` (or given on a CPU layout); nothing changed.
             EngineClosedError: the engine is not open.
 
         """
         self._check_open()
         chunks = self._validate(chunks, load=True)
+        after = self._mark(after)
         not_stored: dict[OffloadKey, BaseException] = {}
         for chunk in chunks:
             try:
@@ -873,7 +926,7 @@ class TransferEngine:
             failed.update(not_stored)
             if not pinned:
                 return LoadResult((), failed)
-            pending = self._submit_load(pinned, failed)
+            pending = self._submit_load(pinned, failed, after)
             try:
                 return await pending.result
             except asyncio.CancelledError:
@@ -881,7 +934,7 @@ class TransferEngine:
                     await _uninterrupted(pending.finished)
                 raise
         ctx = _Ctx()
-        task = asyncio.ensure_future(self._load(chunks, ctx))
+        task = asyncio.ensure_future(self._load(chunks, ctx, after))
         self._track(task)
         try:
             result = await asyncio.shield(task)
@@ -1040,7 +1093,9 @@ class TransferEngine:
                 failed[key] = _on_no_medium(key)
         return pinned, failed
 
-    def _submit_load(self, pinned: list[Chunk], failed: dict[OffloadKey, BaseException]) -> _Load:
+    def _submit_load(
+        self, pinned: list[Chunk], failed: dict[OffloadKey, BaseException], after: Any
+    ) -> _Load:
         """Copy pinned keys to their GPU blocks; unpin them when the copy has ended."""
         loop = asyncio.get_running_loop()
         result: asyncio.Future[LoadResult] = loop.create_future()
@@ -1065,7 +1120,7 @@ class TransferEngine:
                 result.set_result(LoadResult(tuple(loaded), failed))
             finished.set_result(None)
 
-        call = _Call(copies, copied)
+        call = _Call(copies, copied, after)
         self._submit("load", call)
         return _Load(call, result, finished)
 
@@ -1107,7 +1162,7 @@ class TransferEngine:
         if short is not None:
             raise short
 
-    async def _load(self, chunks: list[Chunk], ctx: _Ctx) -> LoadResult:
+    async def _load(self, chunks: list[Chunk], ctx: _Ctx, after: Any) -> LoadResult:
         # Wait for stores / promotions in flight on these keys, again when
         # another call started one while we waited (else the key would read
         # as a miss); a cancelled caller waits for this task, so stop then.
@@ -1144,7 +1199,7 @@ class TransferEngine:
                 self._pool.unpin(chunk.key)
                 failed[chunk.key] = asyncio.CancelledError()
             return LoadResult((), failed)
-        pending = self._submit_load(pinned, failed)
+        pending = self._submit_load(pinned, failed, after)
         await pending.finished
         return pending.result.result()
 
@@ -1231,3 +1286,10 @@ class TransferEngine:
             failures=dict(c.failures),
             nvme_hits=c.nvme_hits,
         )
+
+
+def _record_event(device: torch.device) -> Any:  # pragma: no cover - CUDA hosts only
+    """A ``torch.cuda.Event`` recorded now on the calling thread's current stream of ``device``."""
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(torch.cuda.current_stream(device))
+    return event

@@ -606,16 +606,24 @@ class CopyExecutor:
                 self._threads, thread_name_prefix=f"kvtier-{direction}"
             )
 
-    def submit(self, plan: Sequence[ChunkCopy], done: JobDone) -> None:
+    def submit(self, plan: Sequence[ChunkCopy], done: JobDone, after: Sequence[Any] = ()) -> None:
         """Start copying a job; ``done(error)`` runs on the event loop when every byte landed.
 
         Must be called from the event loop thread. ``error`` is ``None`` or a
         :class:`TransferError` (from the torch/NumPy error). The copy is never
         stopped once submitted (callers keep its slots reserved until ``done``).
+
+        Args:
+            plan: the job's chunk copies.
+            done: called once on the event loop with ``None`` or the error.
+            after: CUDA only: ``torch.cuda.Event`` s the job's stream waits for
+                before its first copy (the callers' streams at their calls);
+                when empty, it waits for the loop thread's current stream.
+                Ignored on the CPU path.
         """
         loop = asyncio.get_running_loop()
         if self._pool is None:
-            self._submit_cuda(plan, loop, done)  # pragma: no cover - CUDA hosts only
+            self._submit_cuda(plan, loop, done, after)  # pragma: no cover - CUDA hosts only
             return
         units = _units(plan, self._threads)
         job = _HostJob(units, min(self._threads, len(units)), loop, done)
@@ -656,7 +664,7 @@ class CopyExecutor:
         if following is not None:
             self._start(following)
 
-    async def run(self, plan: Sequence[ChunkCopy]) -> None:
+    async def run(self, plan: Sequence[ChunkCopy], after: Sequence[Any] = ()) -> None:
         """Copy a job and return when every byte has landed (:meth:`submit` as a coroutine).
 
         Cancelling the awaiting task does NOT stop the copy.
@@ -670,19 +678,26 @@ class CopyExecutor:
             if not fut.done():
                 fut.set_result(err)
 
-        self.submit(plan, done)
+        self.submit(plan, done, after)
         error = await fut
         if error is not None:
             raise error
 
     def _submit_cuda(
-        self, plan: Sequence[ChunkCopy], loop: asyncio.AbstractEventLoop, done: JobDone
+        self,
+        plan: Sequence[ChunkCopy],
+        loop: asyncio.AbstractEventLoop,
+        done: JobDone,
+        after: Sequence[Any],
     ) -> None:  # pragma: no cover - CUDA hosts only
         assert self._stream is not None
         error: TransferError | None = None
         try:
-            compute = torch.cuda.current_stream(self.device)
-            self._stream.wait_stream(compute)
+            if after:
+                for event in after:
+                    self._stream.wait_event(event)
+            else:
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 try:
                     run_plan(plan, self.direction)
