@@ -323,14 +323,21 @@ def _raise_kvikio_threads(kvikio: Any, threads: int) -> None:
     ``python/kvikio/kvikio/defaults.py``).
     """
     try:
-        defaults = kvikio.defaults
+        defaults = getattr(kvikio, "defaults", None)
+        if defaults is None:  # kvikio 26.x: a submodule that ``import kvikio`` does not load
+            defaults = importlib.import_module("kvikio.defaults")
         if hasattr(defaults, "get_num_threads"):
             if defaults.get_num_threads() < threads:
                 defaults.num_threads_reset(threads)
         elif int(defaults.get("num_threads")) < threads:
             defaults.set("num_threads", threads)
     except Exception as exc:  # an API this code does not know: keep kvikio's setting
-        log.warning("kvtier: could not raise kvikio's thread pool to %d: %s", threads, exc)
+        if not _warned_threads:  # once per process, not once per tier
+            _warned_threads.append(True)
+            log.warning("kvtier: could not raise kvikio's thread pool to %d: %s", threads, exc)
+
+
+_warned_threads: list[bool] = []
 
 
 class _KvikioHandle:

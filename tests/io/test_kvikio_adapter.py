@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import types
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -95,6 +96,23 @@ def test_kvikio_thread_pool_is_raised_to_io_threads_never_lowered(
     threads["num_threads"] = 16  # the process chose more
     KvikioRowIO(threads=4)
     assert threads["num_threads"] == 16
+
+
+def test_kvikio_thread_pool_is_raised_where_defaults_is_a_submodule_not_yet_loaded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # kvikio 26.10 on an H200: ``import kvikio`` leaves ``kvikio.defaults``
+    # unset until ``import kvikio.defaults``; the pool stayed at 1 thread.
+    threads = {"num_threads": 1}
+    module = StandInKvikio(new_defaults(threads))
+    defaults = types.ModuleType("kvikio.defaults")
+    defaults.get = module.defaults.get  # type: ignore[attr-defined]
+    defaults.set = module.defaults.set  # type: ignore[attr-defined]
+    del module.defaults
+    monkeypatch.setitem(sys.modules, "kvikio", module)
+    monkeypatch.setitem(sys.modules, "kvikio.defaults", defaults)
+    KvikioRowIO(threads=4)
+    assert threads["num_threads"] == 4
 
 
 async def test_tier_over_kvikio_round_trips_and_fails_only_the_enospc_row(
