@@ -3,12 +3,13 @@
 On a CPU-only host the engine copies with NumPy on its copy threads; on a CUDA
 host it issues torch calls from the event loop thread (a job runs as one
 ``run_plan`` on the copy stream). The torch path copies the chunks of a job
-that share a group and sub-block range together: one ``index_select`` (store)
-or ``index_copy_`` (load) per piece for the batch, and one
-``torch._foreach_copy_`` for its slot copies. Before, it issued both calls
-per chunk and piece; that code is still there, for chunks that cannot be
-batched (``_torch_chunk``), and this script runs it as the ``per_chunk``
-variant.
+that share a group and sub-block range together through a device buffer
+laid out like their slots: one ``index_select`` (store) or ``index_copy_``
+(load) per piece for the batch, and one ``torch._foreach_copy_`` of one
+contiguous copy per chunk. The ``per_chunk`` variant copies each chunk as a
+batch of its own (``_torch_chunk``, what a load job that writes one page
+twice does). Until session 12 the torch path issued both calls per chunk
+and piece; until session 15 it copied each piece straight into its slots.
 
 Pages of 16 bytes make the copy itself cost nothing, so the figure is the
 time spent issuing it (validation, slot bookkeeping and the calls) per chunk,

@@ -313,8 +313,8 @@ def run_plan(plan: Sequence[ChunkCopy], direction: Direction) -> None:
     _run_torch(plan, store)
 
 
-_BATCH_NBYTES = 16 << 20
-"""At most this many bytes of one piece per batch: the size of its device temporary."""
+_BATCH_NBYTES = 64 << 20
+"""At most this many slot bytes per batch: the size of its device buffer."""
 _BATCH_IDS = 4096
 """At most this many block ids per batch (their index tensor leaves pageable host memory)."""
 
@@ -323,13 +323,14 @@ def _run_torch(plan: Sequence[ChunkCopy], store: bool) -> None:
     """The torch path (CUDA hosts): chunks of one group and sub-block range copied together.
 
     Chunks with the same pieces, ``start`` and length form batches, whatever
-    their order in ``plan``: each piece is gathered for a whole batch with ONE
-    ``index_select`` (store) or scattered with ONE ``index_copy_`` (load), and
-    the batch's slot copies go out as one ``torch._foreach_copy_`` (a C++ loop
-    of non-blocking copies). On CUDA every call is a launch issued from the
-    event loop thread, so this divides the launches per piece by the batch
-    size. A batch holds at most :data:`_BATCH_NBYTES` of one piece (its device
-    temporary) and :data:`_BATCH_IDS` block ids.
+    their order in ``plan``, copied through a device buffer of their slot
+    bytes (:func:`_torch_batch`): ONE ``index_select`` (store) or
+    ``index_copy_`` (load) per piece for the whole batch, and one contiguous
+    copy per chunk between the buffer and its slot, issued as one
+    ``torch._foreach_copy_`` (a C++ loop of non-blocking copies). On CUDA
+    every call is a launch issued from the event loop thread. A batch holds
+    at most :data:`_BATCH_NBYTES` of slot bytes (its device buffer) and
+    :data:`_BATCH_IDS` block ids.
 
     The order of the chunks does not matter: a job's chunks have distinct
     slots, and a load whose chunks write one GPU page twice (two loads of one
@@ -345,8 +346,8 @@ def _run_torch(plan: Sequence[ChunkCopy], store: bool) -> None:
         batches.setdefault((id(copy.specs), copy.start, len(copy.block_ids)), []).append(copy)
     for copies in batches.values():
         n = len(copies[0].block_ids)
-        piece = max(math.prod(spec.shape) * spec.width for spec in copies[0].specs)
-        size = max(1, min(_BATCH_NBYTES // (n * piece), _BATCH_IDS // n))
+        lo, hi = _stage_span(copies[0])
+        size = max(1, min(_BATCH_NBYTES // (hi - lo), _BATCH_IDS // n))
         for i in range(0, len(copies), size):
             part = copies[i : i + size]
             if len(part) == 1:
@@ -397,133 +398,81 @@ def _device_ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 def _torch_chunk(copy: ChunkCopy, store: bool) -> None:
-    """Copy one chunk with torch: per layer, piece by piece or through a staging buffer."""
-    ids = copy.block_ids
-    first, n = ids[0], len(ids)
-    run = ids == tuple(range(first, first + n))
-    idx = None if run else _device_ids(ids, copy.specs[0].gpu.device)
-    for layer in _layers(copy.specs):
-        views = [slot_views(copy, spec) for spec in layer]
-        if not all(slot.is_contiguous() for _, slot in views):
-            _staged_layer(copy, layer, idx, store)
-            continue
-        _piecewise_layer(copy, layer, views, idx, store)
+    """Copy one chunk with torch (a batch of one, see :func:`_torch_batch`)."""
+    _staged_copy([copy], list(copy.block_ids), store)
+
+
+def _stage_span(copy: ChunkCopy) -> tuple[int, int]:
+    """Slot bytes ``[lo, hi)`` (from the slot's start) that hold the chunk's sub-blocks.
+
+    ``lo`` is rounded down to 4 KiB, so an offset in the span has the same
+    alignment as in the slot. Layer ``L`` holds sub-blocks ``start .. start+n``
+    at ``layer_offset + (start .. start+n) * payload``.
+    """
+    n = len(copy.block_ids)
+    lo = min(s.layer_offset + copy.start * s.payload for s in copy.specs)
+    hi = max(s.layer_offset + (copy.start + n) * s.payload for s in copy.specs)
+    return lo - lo % 4096, hi
 
 
 def _torch_batch(copies: Sequence[ChunkCopy], ids: list[int], store: bool) -> None:
-    """Copy chunks of one group and sub-block range with torch, each piece for all of them at once.
+    """Copy two or more chunks of one group and sub-block range (see :func:`_staged_copy`)."""
+    _staged_copy(copies, ids, store)
+
+
+def _staged_copy(copies: Sequence[ChunkCopy], ids: list[int], store: bool) -> None:
+    """Copy chunks of one group and sub-block range through a device buffer of their slot bytes.
+
+    The buffer holds, per chunk, the slot bytes ``[lo, hi)`` of
+    :func:`_stage_span`, laid out as in the slot. A store gathers each piece
+    of the whole batch into it with ONE ``index_select`` and one strided copy,
+    then sends each chunk's bytes to its slot as ONE contiguous copy; a load
+    does the reverse (one copy per chunk in, then one ``index_copy_`` per
+    piece). On CUDA every call is a launch issued from the event loop thread:
+    a batch of ``k`` chunks of a group of ``p`` pieces costs about ``2p + k``
+    launches, where copying piece by piece straight into the slots cost
+    ``p (k + 1)`` (the measured bottleneck on an H200: 88 us per chunk for
+    Gemma's 6 pieces per group). Slot bytes inside the span that no piece
+    covers (padding, the other sub-blocks of a partial chunk) are stored as
+    zeros.
 
     Args:
-        copies: two or more chunks with the same ``specs``, ``start`` and length.
+        copies: chunks with the same ``specs``, ``start`` and length.
         ids: their block ids, chunk after chunk (no page written twice for a load).
         store: GPU blocks -> slots, else slots -> GPU blocks.
     """
-    n = len(copies[0].block_ids)
-    device = copies[0].specs[0].gpu.device
+    c0 = copies[0]
+    k, n = len(copies), len(c0.block_ids)
+    device = c0.specs[0].gpu.device
     non_blocking = device.type != "cpu"
+    lo, hi = _stage_span(c0)
+    span = hi - lo
+    row = -(-span // 4096) * 4096  # every chunk's bytes start 4 KiB aligned in the buffer
+    region = c0.region[1]
+    slots = [region[c.slot_offset + lo : c.slot_offset + hi] for c in copies]
     idx = _device_ids(ids, device)
-    for layer in _layers(copies[0].specs):
-        # Slot offsets are 4 KiB multiples: every chunk's views take the same dtype.
-        views = [[slot_views(c, spec) for spec in layer] for c in copies]
-        if not all(slot.is_contiguous() for chunk in views for _, slot in chunk):
-            for i, c in enumerate(copies):
-                _staged_layer(c, layer, idx[i * n : (i + 1) * n], store)
-            continue
-        for p in range(len(layer)):
-            gpu = views[0][p][0]
-            slots = [chunk[p][1] for chunk in views]
-            shape = (len(copies), n, *gpu.shape[1:])
-            if store:
-                rows = gpu.index_select(0, idx)
-                torch._foreach_copy_(slots, rows.view(shape).unbind(0), non_blocking=non_blocking)
-            else:
-                rows = torch.empty((len(ids), *gpu.shape[1:]), dtype=gpu.dtype, device=device)
-                torch._foreach_copy_(rows.view(shape).unbind(0), slots, non_blocking=non_blocking)
-                gpu.index_copy_(0, idx, rows)
-
-
-def _layers(specs: Sequence[PieceSpec]) -> list[Sequence[PieceSpec]]:
-    """Split a group's specs into the runs that belong to one layer."""
-    out: list[Sequence[PieceSpec]] = []
-    start = 0
-    for i in range(1, len(specs) + 1):
-        if i == len(specs) or specs[i].layer_offset != specs[start].layer_offset:
-            out.append(specs[start:i])
-            start = i
-    return out
-
-
-def _staged_layer(
-    copy: ChunkCopy, layer: Sequence[PieceSpec], idx: torch.Tensor | None, store: bool
-) -> None:
-    """Copy one layer of a chunk through a device buffer laid out like its slot bytes.
-
-    A piece whose slot view is strided (several pieces per page, e.g. K and V
-    outside the block dim) would make torch stage a device <-> host copy
-    through pageable memory, which on CUDA returns only once the copy (and the
-    compute it waits for) is done: the loop thread would block. Instead the
-    pieces are gathered into (or scattered from) a device buffer of the
-    layer's ``n * payload`` slot bytes, which crosses to the host in one
-    contiguous, non-blocking copy. Bytes of the page that no piece covers
-    are stored as zeros.
-    """
-    ids = copy.block_ids
-    first, n = ids[0], len(ids)
-    spec0 = layer[0]
-    device = spec0.gpu.device
-    payload = spec0.payload
-    base = copy.slot_offset + spec0.layer_offset + copy.start * payload
-    region = copy.region[1][base : base + n * payload]
-    non_blocking = device.type != "cpu"
     if store:
-        stage = torch.zeros(n * payload, dtype=torch.uint8, device=device)
+        stage = torch.zeros(k * row, dtype=torch.uint8, device=device)
     else:
-        stage = torch.empty(n * payload, dtype=torch.uint8, device=device)
-        stage.copy_(region, non_blocking=non_blocking)
-    for spec in layer:
-        rel = spec.offset - spec.layer_offset  # the piece's start inside the page
-        if rel % spec.width == 0 and payload % spec.width == 0:
+        stage = torch.empty(k * row, dtype=torch.uint8, device=device)
+        rows = [stage[i * row : i * row + span] for i in range(k)]
+        torch._foreach_copy_(rows, slots, non_blocking=non_blocking)
+    for spec in c0.specs:
+        base = spec.offset + c0.start * spec.payload - lo
+        if base % spec.width == 0 and spec.payload % spec.width == 0:
             gpu, w, shape, strides = spec.gpu, spec.width, spec.shape, spec.strides
         else:
             gpu, w, shape, strides = spec.gpu8, 1, spec.shape8, spec.strides8
-        part = stage.view(gpu.dtype).as_strided((n, *shape), (payload // w, *strides), rel // w)
+        part = stage.view(gpu.dtype).as_strided(
+            (k, n, *shape), (row // w, spec.payload // w, *strides), base // w
+        )
         if store:
-            part.copy_(gpu[first : first + n] if idx is None else gpu.index_select(0, idx))
-        elif idx is None:
-            gpu[first : first + n].copy_(part)
+            part.copy_(gpu.index_select(0, idx).view(k, n, *shape))
         else:
-            gpu.index_copy_(0, idx, part)
+            gpu.index_copy_(0, idx, part.reshape(k * n, *shape))
     if store:
-        region.copy_(stage, non_blocking=non_blocking)
-
-
-def _piecewise_layer(
-    copy: ChunkCopy,
-    layer: Sequence[PieceSpec],
-    views: list[tuple[torch.Tensor, torch.Tensor]],
-    idx: torch.Tensor | None,
-    store: bool,
-) -> None:
-    """Copy one layer of a chunk piece by piece, straight between cache and slot views."""
-    ids = copy.block_ids
-    first, n = ids[0], len(ids)
-    device = layer[0].gpu.device
-    on_cpu = device.type == "cpu"
-    for gpu, slot in views:
-        if idx is None:
-            if store:
-                slot.copy_(gpu[first : first + n], non_blocking=not on_cpu)
-            else:
-                gpu[first : first + n].copy_(slot, non_blocking=not on_cpu)
-        elif store:
-            if on_cpu:
-                torch.index_select(gpu, 0, idx, out=slot)
-            else:
-                slot.copy_(gpu.index_select(0, idx), non_blocking=True)
-        elif on_cpu:
-            gpu.index_copy_(0, idx, slot)
-        else:
-            gpu.index_copy_(0, idx, slot.to(device, non_blocking=True))
+        rows = [stage[i * row : i * row + span] for i in range(k)]
+        torch._foreach_copy_(slots, rows, non_blocking=non_blocking)
 
 
 _UNITS_PER_THREAD = 4

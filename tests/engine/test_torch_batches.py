@@ -119,13 +119,14 @@ async def test_a_store_and_a_load_call_per_piece_not_per_chunk(
         out = await engine.load(chunks)
         assert not out.failed
     loaded = torch_path - stored
-    # Packed pieces: ONE gather (scatter) per piece and group for all k chunks, and one
-    # foreach of k slot copies; the staged layer still goes chunk by chunk (2 pieces).
-    assert stored["index_select"] == 2 * (packed + 2 * k)
-    assert stored["foreach_copy_"] == 2 * packed
-    assert stored["foreach_items"] == 2 * packed * k
-    assert loaded["index_copy_"] == 2 * (packed + 2 * k)
-    assert loaded["foreach_copy_"] == 2 * packed
+    # ONE gather (scatter) per piece and group for all k chunks (the kv layer's two
+    # pieces too), and one foreach of k slot copies per group (one per chunk).
+    assert stored["index_select"] == 2 * (packed + 2)
+    assert stored["foreach_copy_"] == 2
+    assert stored["foreach_items"] == 2 * k
+    assert loaded["index_copy_"] == 2 * (packed + 2)
+    assert loaded["foreach_copy_"] == 2
+    assert loaded["foreach_items"] == 2 * k
     _check_blocks(tensors, before, chunks)
 
 
@@ -195,7 +196,9 @@ async def test_two_loads_into_one_block_in_one_job_go_chunk_by_chunk_in_order(
         assert not a.failed
         assert not b.failed
         assert engine.stats().load_jobs == jobs + 1  # one job: both calls coalesced
-        assert torch_path["foreach_copy_"] == before["foreach_copy_"]  # copied chunk by chunk
+        # copied chunk by chunk: one slot copy per call of the foreach loop
+        assert torch_path["foreach_copy_"] == before["foreach_copy_"] + 2
+        assert torch_path["foreach_items"] == before["foreach_items"] + 2
     for t, t2 in zip(tensors[:4], second_bytes[:4], strict=True):
         dim = 1 if t.dim() == 4 else 0
         n = KV_PAYLOAD if dim == 1 else None
@@ -208,8 +211,8 @@ async def test_two_loads_into_one_block_in_one_job_go_chunk_by_chunk_in_order(
 async def test_batches_are_capped_in_block_ids_and_bytes(
     torch_path: collections.Counter[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A batch holds at most _BATCH_IDS block ids and _BATCH_NBYTES of one piece (its
-    device temporary): more chunks make more batches, and the bytes stay right."""
+    """A batch holds at most _BATCH_IDS block ids and _BATCH_NBYTES of slot bytes (its
+    device buffer): more chunks make more batches, and the bytes stay right."""
     import kvtier._transfer as transfer
 
     nb, bpc, k = 64, 4, 8
@@ -223,19 +226,19 @@ async def test_batches_are_capped_in_block_ids_and_bytes(
         for t in tensors:
             t.zero_()
         assert not (await engine.load(chunks)).failed
-    assert stored["foreach_copy_"] == 2 * 3 * 3  # groups x packed pieces x batches
-    assert stored["foreach_items"] == 2 * 3 * k
+    assert stored["foreach_copy_"] == 2 * 3  # groups x batches
+    assert stored["foreach_items"] == 2 * k
     _check_blocks(tensors, before, chunks)
-    # The largest piece per block: 128 B in group 0 (3 chunks of 4 blocks = 1536 B),
-    # 256 B in group 1 (one chunk per batch: chunk by chunk, no foreach).
+    # A chunk's slot bytes: 1936 in group 0 (3 chunks per 5808-byte batch: 3 + 3 + 2),
+    # 3472 in group 1 (one chunk per batch: 8 batches).
     monkeypatch.setattr(transfer, "_BATCH_IDS", 4096)
-    monkeypatch.setattr(transfer, "_BATCH_NBYTES", 1536)
+    monkeypatch.setattr(transfer, "_BATCH_NBYTES", 3 * 1936)
     torch_path.clear()
     for t, b0 in zip(tensors, before, strict=True):
         t.copy_(b0)
     async with kvtier.TransferEngine(layout, _config(bpc)) as engine:
         assert len((await engine.store(chunks)).stored) == 2 * k
-        assert torch_path["foreach_copy_"] == 3 * 3  # group 0 only: 3 pieces x 3 batches
+        assert torch_path["foreach_copy_"] == 3 + k
         for t in tensors:
             t.zero_()
         assert not (await engine.load(chunks)).failed
