@@ -97,8 +97,10 @@ def default_runs(paths: Iterable[Path]) -> dict[str, list[dict[str, Any]]]:
 
     Returns:
         ``{set name: [run JSON, ...]}``; files that are not bench runs, ran
-        another configuration, or copy a run already read (same ``date``:
-        ``results/bench-*.json`` copy runs kept in the dated folders) are skipped.
+        another configuration, ran on a GPU host (``machine.device`` not
+        ``cpu``: ``results/gpu-h200/``), or copy a run already read (same
+        ``date``: ``results/bench-*.json`` copy runs kept in the dated
+        folders) are skipped.
     """
     files: list[Path] = []
     for path in paths:
@@ -116,6 +118,8 @@ def default_runs(paths: Iterable[Path]) -> dict[str, list[dict[str, Any]]]:
         date = str(run.get("date"))
         if any(config.get(k) != v for k, v in DEFAULTS.items()) or date in seen:
             continue
+        if run.get("machine", {}).get("device", "cpu") != "cpu":
+            continue  # a GPU host's run: the targets are the development machine's
         seen.add(date)
         stem = file.stem.rstrip("0123456789").rstrip("-_") or file.stem
         try:

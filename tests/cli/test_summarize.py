@@ -66,6 +66,9 @@ def test_sets_ranges_and_target_counts(tmp_path: Path) -> None:
     # Another configuration and a copy of a run already read: both left out.
     _write(tmp_path / "day1" / "s1-3.json", _run("2026-01-01T00:02:00", 0.5, 0.5, 0.1, repeat=1))
     _write(tmp_path / "day2" / "copy.json", _run("2026-01-01T00:01:00", 0.93, 0.97, 0.66))
+    gpu = _run("2026-01-01T00:03:00", 0.5, 0.5, 0.2)  # a GPU host's run: left out too
+    gpu["machine"] = {"device": "cuda", "cuda": "NVIDIA H200"}
+    _write(tmp_path / "day1" / "s1-4.json", gpu)
     (tmp_path / "day2" / "notes.json").write_text("[1, 2]")
     mod = _module()
     sets = mod.default_runs([tmp_path])
