@@ -347,7 +347,8 @@ def _run_torch(plan: Sequence[ChunkCopy], store: bool) -> None:
     for copies in batches.values():
         n = len(copies[0].block_ids)
         lo, hi = _stage_span(copies[0])
-        size = max(1, min(_BATCH_NBYTES // (hi - lo), _BATCH_IDS // n))
+        row = -(-(hi - lo) // 4096) * 4096  # a chunk's share of the buffer (_staged_copy)
+        size = max(1, min(_BATCH_NBYTES // row, _BATCH_IDS // n))
         for i in range(0, len(copies), size):
             part = copies[i : i + size]
             if len(part) == 1:
@@ -359,9 +360,13 @@ def _run_torch(plan: Sequence[ChunkCopy], store: bool) -> None:
 def _pages_written_twice(plan: Sequence[ChunkCopy]) -> bool:
     """Whether two chunks of a load write the same block of the same tensor storage.
 
-    Groups whose pieces share a storage (one tensor registered in two groups)
-    are checked together. Costs one ``data_ptr`` per piece of each distinct
-    group of the plan, and one set update per chunk.
+    Such a load job is copied in plan order, chunk by chunk (torch path) or on
+    one copy thread (CPU path), so that the later call wins. Groups whose
+    pieces share a storage (one tensor registered in two groups) are checked
+    together, by block id: memory shared through different views (another
+    block dim, two storages over the same memory) is not seen (a known gap,
+    ``tests/engine/test_review_staged15.py``). Costs one ``data_ptr`` per
+    piece of each distinct group of the plan, and one set update per chunk.
     """
     storages: dict[int, set[int]] = {}  # id(specs) -> the storages of its pieces
     for copy in plan:
@@ -574,7 +579,10 @@ class CopyExecutor:
         if self._pool is None:
             self._submit_cuda(plan, loop, done, after)  # pragma: no cover - CUDA hosts only
             return
-        units = _units(plan, self._threads)
+        if self.direction == "load" and _pages_written_twice(plan):
+            units: list[Sequence[ChunkCopy]] = [plan]  # one thread, in plan order: later wins
+        else:
+            units = _units(plan, self._threads)
         job = _HostJob(units, min(self._threads, len(units)), loop, done)
         with self._lock:
             if self._running:

@@ -229,16 +229,16 @@ async def test_batches_are_capped_in_block_ids_and_bytes(
     assert stored["foreach_copy_"] == 2 * 3  # groups x batches
     assert stored["foreach_items"] == 2 * k
     _check_blocks(tensors, before, chunks)
-    # A chunk's slot bytes: 1936 in group 0 (3 chunks per 5808-byte batch: 3 + 3 + 2),
-    # 3472 in group 1 (one chunk per batch: 8 batches).
+    # A chunk's slot bytes (1936 in group 0, 3472 in group 1) take 4 KiB of the device
+    # buffer each: 3 chunks per 12 KiB batch, 3 + 3 + 2 in each group.
     monkeypatch.setattr(transfer, "_BATCH_IDS", 4096)
-    monkeypatch.setattr(transfer, "_BATCH_NBYTES", 3 * 1936)
+    monkeypatch.setattr(transfer, "_BATCH_NBYTES", 3 * 4096)
     torch_path.clear()
     for t, b0 in zip(tensors, before, strict=True):
         t.copy_(b0)
     async with kvtier.TransferEngine(layout, _config(bpc)) as engine:
         assert len((await engine.store(chunks)).stored) == 2 * k
-        assert torch_path["foreach_copy_"] == 3 + k
+        assert torch_path["foreach_copy_"] == 2 * 3
         for t in tensors:
             t.zero_()
         assert not (await engine.load(chunks)).failed
