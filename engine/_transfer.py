@@ -286,7 +286,11 @@ def _load_run(run: Sequence[ChunkCopy]) -> None:
         piece.gpu[idx] = piece.slots[s0 : s0 + k]
 
 
-def run_plan(plan: Sequence[ChunkCopy], direction: Direction) -> None:
+def run_plan(
+    plan: Sequence[ChunkCopy],
+    direction: Direction,
+    aliasing: dict[frozenset[int], _Aliasing] | None = None,
+) -> None:
     """Execute a job's copies synchronously (worker thread or CUDA stream context).
 
     Per chunk and per piece of each distinct layer: a strided copy when the
@@ -297,6 +301,7 @@ def run_plan(plan: Sequence[ChunkCopy], direction: Direction) -> None:
     Args:
         plan: the chunk copies.
         direction: ``"store"`` (GPU blocks -> slots) or ``"load"`` (slots -> GPU blocks).
+        aliasing: the caller's cache for :func:`_pages_written_twice` (one per engine).
     """
     store = direction == "store"
     if plan and plan[0].host is not None:
@@ -310,7 +315,7 @@ def run_plan(plan: Sequence[ChunkCopy], direction: Direction) -> None:
             else:
                 _run_host(plan[i], False)
         return
-    _run_torch(plan, store)
+    _run_torch(plan, store, aliasing)
 
 
 _BATCH_NBYTES = 64 << 20
@@ -319,7 +324,11 @@ _BATCH_IDS = 4096
 """At most this many block ids per batch (their index tensor leaves pageable host memory)."""
 
 
-def _run_torch(plan: Sequence[ChunkCopy], store: bool) -> None:
+def _run_torch(
+    plan: Sequence[ChunkCopy],
+    store: bool,
+    aliasing: dict[frozenset[int], _Aliasing] | None = None,
+) -> None:
     """The torch path (CUDA hosts): chunks of one group and sub-block range copied together.
 
     Chunks with the same pieces, ``start`` and length form batches, whatever
@@ -337,7 +346,7 @@ def _run_torch(plan: Sequence[ChunkCopy], store: bool) -> None:
     job into the same block, of one group or of groups that share a tensor)
     is copied chunk by chunk, in plan order, so that the later load wins.
     """
-    if not store and _pages_written_twice(plan):
+    if not store and _pages_written_twice(plan, aliasing):
         for copy in plan:
             _torch_chunk(copy, store)
         return
@@ -357,39 +366,150 @@ def _run_torch(plan: Sequence[ChunkCopy], store: bool) -> None:
                 _torch_batch(part, [b for c in part for b in c.block_ids], store)
 
 
-def _pages_written_twice(plan: Sequence[ChunkCopy]) -> bool:
-    """Whether two chunks of a load write the same block of the same tensor storage.
+def _pages_written_twice(
+    plan: Sequence[ChunkCopy], cache: dict[frozenset[int], _Aliasing] | None = None
+) -> bool:
+    """Whether two chunks of a load may write the same bytes of the cache.
 
     Such a load job is copied in plan order, chunk by chunk (torch path) or on
-    one copy thread (CPU path), so that the later call wins. Groups whose
-    pieces share a storage (one tensor registered in two groups) are checked
-    together, by block id: memory shared through different views (another
-    block dim, two storages over the same memory) is not seen (a known gap,
-    ``tests/engine/test_review_staged15.py``). Costs one ``data_ptr`` per
-    piece of each distinct group of the plan, and one set update per chunk.
+    one copy thread (CPU path), so that the later call wins. How the plan's
+    groups share memory comes from :func:`_aliasing`: groups whose pieces
+    share bytes block for block (one tensor registered in two groups, two
+    storages over the same memory) are checked together by block id; pieces
+    that share bytes between DIFFERENT block ids (one tensor with two block
+    dims) make any two chunks that touch them count as overlapping.
+
+    Args:
+        plan: a load job's chunk copies.
+        cache: ``{group ids: _aliasing result}`` kept by the caller (the
+            groups of an engine do not change), or None.
     """
-    storages: dict[int, set[int]] = {}  # id(specs) -> the storages of its pieces
+    if len(plan) < 2:
+        return False
+    groups: dict[int, tuple[PieceSpec, ...]] = {}
     for copy in plan:
-        if id(copy.specs) not in storages:
-            storages[id(copy.specs)] = {s.gpu.untyped_storage().data_ptr() for s in copy.specs}
-    # Label every group with the smallest label of the groups it shares a storage
-    # with, until no label changes: one label per connected set of groups.
-    label = {sid: sid for sid in storages}
-    changed = True
-    while changed:
-        changed = False
-        for a, b in itertools.combinations(storages, 2):
-            if label[a] != label[b] and storages[a] & storages[b]:
-                label[a] = label[b] = min(label[a], label[b])
-                changed = True
+        groups.setdefault(id(copy.specs), copy.specs)
+    ids = frozenset(groups)
+    found = None if cache is None else cache.get(ids)
+    if found is None:
+        found = _aliasing(groups)
+        if cache is not None:
+            cache[ids] = found
+    label, mixed = found
     written: dict[int, set[int]] = {}  # label -> block ids written so far
-    for copy in plan:
-        seen = written.setdefault(label[id(copy.specs)], set())
+    touched: dict[int, int] = {}  # mixed set of pieces -> the chunk that touched it
+    for i, copy in enumerate(plan):
+        sid = id(copy.specs)
+        for c in mixed.get(sid, ()):
+            if touched.setdefault(c, i) != i:
+                return True
+        seen = written.setdefault(label[sid], set())
         before = len(seen)
         seen.update(copy.block_ids)
         if len(seen) != before + len(copy.block_ids):
             return True
     return False
+
+
+_Aliasing = tuple[dict[int, int], dict[int, tuple[int, ...]]]
+
+
+class _Footprint(NamedTuple):
+    """Where one piece's blocks lie: block ``b`` in ``ptr + b*stride + [lo, hi)`` of each run."""
+
+    lo: int  # first and last+1 address any block can reach
+    hi: int
+    ptr: int
+    stride: int
+    runs: tuple[tuple[int, int], ...] | None  # None: too many to list
+    blocks: int
+    group: int  # id of the group's specs
+
+
+_MAX_RUNS = 64
+"""Contiguous runs of one block listed per piece; more make the piece "mixed" if it aliases."""
+
+
+def _footprint(spec: PieceSpec, group: int) -> _Footprint | None:
+    """The piece's :class:`_Footprint` (bytes view; torch views have no negative strides)."""
+    view = spec.gpu8
+    if view.numel() == 0:
+        return None
+    dims = [(n, st) for n, st in zip(view.shape[1:], view.stride()[1:], strict=True) if n > 1]
+    run, i = 1, len(dims)
+    while i and dims[i - 1][1] == run:  # the contiguous innermost dims make one run
+        run *= dims[i - 1][0]
+        i -= 1
+    starts = [0]
+    for n, st in dims[:i]:
+        starts = [o + j * st for o in starts for j in range(n)]
+        if len(starts) > _MAX_RUNS:
+            break
+    runs = tuple((o, o + run) for o in starts) if len(starts) <= _MAX_RUNS else None
+    page = 1 + sum((n - 1) * st for n, st in dims)
+    ptr, stride = view.data_ptr(), view.stride(0)
+    nb = view.shape[0]
+    return _Footprint(ptr, ptr + (nb - 1) * stride + page, ptr, stride, runs, nb, group)
+
+
+def _block_shifts(p: _Footprint, q: _Footprint) -> set[int] | None:
+    """The ``c - b`` for which block ``b`` of ``p`` and block ``c`` of ``q`` share bytes.
+
+    None when that cannot be listed (other block strides, too many runs or
+    shifts): any two blocks may then share bytes.
+    """
+    s = p.stride
+    if s != q.stride or s <= 0 or p.runs is None or q.runs is None:
+        return None
+    shifts: set[int] = set()
+    for a_lo, a_hi in p.runs:
+        for b_lo, b_hi in q.runs:
+            # p.ptr + b s + [a_lo, a_hi) meets q.ptr + c s + [b_lo, b_hi)
+            # iff -(len_b + d) < (c - b) s < len_a - d, d = (q.ptr + b_lo) - (p.ptr + a_lo)
+            d = (q.ptr + b_lo) - (p.ptr + a_lo)
+            low = -(b_hi - b_lo + d) // s + 1  # smallest k with k s > -(len_b + d)
+            high = -(-(a_hi - a_lo - d) // s) - 1  # largest k with k s < len_a - d
+            low, high = max(low, 1 - p.blocks), min(high, q.blocks - 1)  # b, c are block ids
+            if high - low > _MAX_RUNS:
+                return None
+            shifts.update(range(low, high + 1))
+    return shifts
+
+
+def _aliasing(groups: dict[int, tuple[PieceSpec, ...]]) -> _Aliasing:
+    """How the pieces of ``groups`` (``{id(specs): specs}``) share memory.
+
+    Pieces whose address ranges overlap are compared pairwise
+    (:func:`_block_shifts`): pieces whose blocks can only meet at the same
+    block id join their groups' block-id labels; pieces whose blocks can meet
+    at other block ids (or whose layouts differ) form a "mixed" set.
+
+    Returns:
+        ``(label, mixed)``: each group's block-id label, and the mixed sets
+        each group has pieces in.
+    """
+    prints = sorted(
+        (f for sid, specs in groups.items() for spec in specs if (f := _footprint(spec, sid))),
+        key=lambda f: f.lo,
+    )
+    label = {sid: sid for sid in groups}
+    mixed: dict[int, tuple[int, ...]] = {}
+    for i, p in enumerate(prints):
+        for q in prints[i + 1 :]:
+            if q.lo >= p.hi:
+                break  # sorted by lo: no later piece reaches into p
+            shifts = _block_shifts(p, q)
+            if shifts is not None and not shifts:
+                continue  # their blocks never share a byte
+            if shifts == {0}:
+                old = (label[p.group], label[q.group])
+                for sid, lab in label.items():
+                    if lab in old:
+                        label[sid] = min(old)
+                continue
+            for sid in (p.group, q.group):
+                mixed[sid] = (*mixed.get(sid, ()), i)
+    return label, mixed
 
 
 def _device_ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -553,6 +673,7 @@ class CopyExecutor:
         self._lock = threading.Lock()
         self._queue: collections.deque[_HostJob] = collections.deque()
         self._running = False
+        self._aliasing: dict[frozenset[int], _Aliasing] = {}  # see _pages_written_twice
         if self._cuda:  # pragma: no cover - CUDA hosts only
             self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         else:
@@ -579,7 +700,7 @@ class CopyExecutor:
         if self._pool is None:
             self._submit_cuda(plan, loop, done, after)  # pragma: no cover - CUDA hosts only
             return
-        if self.direction == "load" and _pages_written_twice(plan):
+        if self.direction == "load" and _pages_written_twice(plan, self._aliasing):
             units: list[Sequence[ChunkCopy]] = [plan]  # one thread, in plan order: later wins
         else:
             units = _units(plan, self._threads)
@@ -657,7 +778,7 @@ class CopyExecutor:
                 self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 try:
-                    run_plan(plan, self.direction)
+                    run_plan(plan, self.direction, self._aliasing)
                 except Exception as exc:
                     # Copies enqueued before the failure may still be running:
                     # report the error only once the stream has passed them,

@@ -27,10 +27,10 @@ reference. Checked here:
   path in a new engine (reopened tier), both ways, reused slots included.
 * ``after=`` on a CPU layout: InvalidArgumentError and nothing changed
   (TransferEngine and BackgroundEngine, on both paths).
-* A gap (xfail, strict): a load job whose calls write the same GPU bytes
+* Found here and fixed: a load job whose calls write the same GPU bytes
   through two groups that alias memory with different block ids (one tensor
   registered with two block dims) or through two storages of the same memory
-  is batched, so an earlier load's bytes win on the torch path, where the
+  was batched, so an earlier load's bytes won on the torch path, where the
   README promises "the later one wins, in call order" (the NumPy path does).
 * Found here and fixed: with ``copy_threads=2`` (the default on hosts with 2+
   cores) the NumPy path ran a job's units on both threads at once, so two
@@ -740,12 +740,11 @@ async def test_numpy_path_later_load_wins_over_memory_shared_by_groups(variant: 
     await _later_load_over_shared_memory(variant, torch_path=False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_pages_written_twice compares block ids per storage: the batches reorder the loads",
-)
 @pytest.mark.parametrize("variant", ["block-dims", "two-storages"])
 async def test_torch_path_later_load_wins_over_memory_shared_by_groups(variant: str) -> None:
+    """Found here (``_pages_written_twice`` compared block ids per storage, so the
+    batches reordered these loads) and fixed: pieces are compared by the bytes
+    their blocks reach (``kvtier._transfer._aliasing``)."""
     await _later_load_over_shared_memory(variant, torch_path=True)
 
 
