@@ -377,7 +377,8 @@ def _pages_written_twice(
     share bytes block for block (one tensor registered in two groups, two
     storages over the same memory) are checked together by block id; pieces
     that share bytes between DIFFERENT block ids (one tensor with two block
-    dims) make any two chunks that touch them count as overlapping.
+    dims) make a chunk of one of their groups and a later chunk of the other
+    count as overlapping.
 
     Args:
         plan: a load job's chunk copies.
@@ -397,12 +398,12 @@ def _pages_written_twice(
             cache[ids] = found
     label, mixed = found
     written: dict[int, set[int]] = {}  # label -> block ids written so far
-    touched: dict[int, int] = {}  # mixed set of pieces -> the chunk that touched it
-    for i, copy in enumerate(plan):
+    earlier: set[int] = set()  # groups of the chunks before this one
+    for copy in plan:
         sid = id(copy.specs)
-        for c in mixed.get(sid, ()):
-            if touched.setdefault(c, i) != i:
-                return True
+        if any(other in earlier for other in mixed.get(sid, ())):
+            return True
+        earlier.add(sid)
         seen = written.setdefault(label[sid], set())
         before = len(seen)
         seen.update(copy.block_ids)
@@ -411,7 +412,7 @@ def _pages_written_twice(
     return False
 
 
-_Aliasing = tuple[dict[int, int], dict[int, tuple[int, ...]]]
+_Aliasing = tuple[dict[int, int], dict[int, frozenset[int]]]
 
 
 class _Footprint(NamedTuple):
@@ -482,18 +483,20 @@ def _aliasing(groups: dict[int, tuple[PieceSpec, ...]]) -> _Aliasing:
     Pieces whose address ranges overlap are compared pairwise
     (:func:`_block_shifts`): pieces whose blocks can only meet at the same
     block id join their groups' block-id labels; pieces whose blocks can meet
-    at other block ids (or whose layouts differ) form a "mixed" set.
+    at other block ids (or whose layouts differ) "mix" their groups.
 
     Returns:
-        ``(label, mixed)``: each group's block-id label, and the mixed sets
-        each group has pieces in.
+        ``(label, mixed)``: each group's block-id label, and for each group
+        the groups (itself included, when two of its own pieces mix) that
+        one of its pieces mixes with: a chunk of one and a chunk of the
+        other in a load job go in plan order.
     """
     prints = sorted(
         (f for sid, specs in groups.items() for spec in specs if (f := _footprint(spec, sid))),
         key=lambda f: f.lo,
     )
     label = {sid: sid for sid in groups}
-    mixed: dict[int, tuple[int, ...]] = {}
+    mixed: dict[int, frozenset[int]] = {}
     for i, p in enumerate(prints):
         for q in prints[i + 1 :]:
             if q.lo >= p.hi:
@@ -507,8 +510,8 @@ def _aliasing(groups: dict[int, tuple[PieceSpec, ...]]) -> _Aliasing:
                     if lab in old:
                         label[sid] = min(old)
                 continue
-            for sid in (p.group, q.group):
-                mixed[sid] = (*mixed.get(sid, ()), i)
+            mixed[p.group] = mixed.get(p.group, frozenset()) | {q.group}
+            mixed[q.group] = mixed.get(q.group, frozenset()) | {p.group}
     return label, mixed
 
 

@@ -110,7 +110,8 @@ def test_a_load_plan_over_mixed_pieces_goes_in_order_only_when_two_chunks_touch_
         return transfer.ChunkCopy(specs[g], {}, 0, (block,), 0, 16)
 
     assert not transfer._pages_written_twice([copy(0, 1)])
-    assert transfer._pages_written_twice([copy(0, 1), copy(1, 5)])
+    assert transfer._pages_written_twice([copy(0, 1), copy(1, 5)])  # t[1, 5] twice
+    assert not transfer._pages_written_twice([copy(0, 1), copy(0, 2)])  # one view: by block id
     cache: dict[frozenset[int], transfer._Aliasing] = {}
     assert transfer._pages_written_twice([copy(0, 1), copy(0, 1)], cache)
     assert len(cache) == 1  # the analysis is kept for the engine's groups
