@@ -440,7 +440,12 @@ def allocated_extents(handle: Any, nbytes: int) -> list[tuple[int, int]] | None:
 
 
 def _rows_without_blocks(spec: GroupSpec, rows: int, extents: list[tuple[int, int]]) -> list[int]:
-    """Rows ``0..rows-1`` of a segment that no extent touches (punched holes)."""
+    """Rows ``0..rows-1`` of a segment that the extents do not cover whole (punched holes).
+
+    A row only partly covered (a punch that failed part way) counts as a
+    hole too: a write into it could fail on a full filesystem, so its blocks
+    are allocated before it is written.
+    """
     holes = []
     j = 0
     for i in range(rows):
@@ -448,7 +453,12 @@ def _rows_without_blocks(spec: GroupSpec, rows: int, extents: list[tuple[int, in
         hi = lo + spec.row_nbytes
         while j < len(extents) and extents[j][1] <= lo:
             j += 1
-        if j == len(extents) or extents[j][0] >= hi:
+        covered = lo
+        k = j
+        while k < len(extents) and extents[k][0] <= covered < hi:
+            covered = max(covered, extents[k][1])
+            k += 1
+        if covered < hi:
             holes.append(i)
     return holes
 

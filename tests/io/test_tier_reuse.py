@@ -208,6 +208,24 @@ def test_allocated_extents_tell_punched_rows_from_rows_that_hold_blocks(tmp_path
     assert allocated_extents(object(), row) is None  # no file descriptor: not known
 
 
+def test_a_row_the_extents_cover_only_in_part_counts_as_punched() -> None:
+    """A punch that failed part way leaves a row with some blocks: a write into it could
+    fail on a full filesystem, so it counts as punched (its blocks are allocated before
+    it is written); only rows the extents cover whole hold their blocks."""
+    from kvtier.io._files import GroupSpec, _rows_without_blocks
+
+    spec = GroupSpec(0, b"d" * 16, 8192, 8192, 12288, 4)
+    row, first = spec.row_nbytes, spec.row_offset(0)
+    extents = [
+        (0, first + row),  # header and row 0
+        (first + row, first + row + 4096),  # the first page of row 1 only
+        (first + 2 * row, first + 2 * row + 4096),  # row 2 in two extents that meet
+        (first + 2 * row + 4096, first + 3 * row),
+        (first + 4 * row + 4096, first + 5 * row),  # row 4 but its first page
+    ]
+    assert _rows_without_blocks(spec, 6, extents) == [1, 3, 4, 5]
+
+
 async def test_where_holes_cannot_be_punched_free_rows_are_not_blanked_again(
     tmp_path, slots, monkeypatch
 ) -> None:
