@@ -28,7 +28,9 @@ class NVMeConfig:
         capacity_bytes: upper bound of row bytes on disk (LRU eviction over rows).
             Where the filesystem fills up first (ENOSPC, EDQUOT), a new row
             takes the row of its group's least recently used key instead
-            (``stats().nvme["disk_full_evictions"]``).
+            (``stats().nvme["disk_full_evictions"]``); a group with no key
+            to take gets the punched rows of other groups' least recently
+            used keys.
         namespace: the user's label (model id, rank); part of the format digest.
         io_backend: ``"auto"`` (kvikio when it imports and a CUDA driver loads,
             else posix), ``"posix"``, ``"kvikio"`` or ``"aio"`` (posix with row

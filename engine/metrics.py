@@ -94,7 +94,7 @@ def _samples(s: Any) -> Iterator[tuple[str, str, str, dict[str, str], float]]:
         doc = "NVMe evictions of the writer's own group's key out of strict LRU order"
         yield "counter", "nvme_window_evictions", doc, {}, window
         full = float(nvme.get("disk_full_evictions", 0))
-        doc = "NVMe evictions of the writer's own group's key because the filesystem was full"
+        doc = "NVMe evictions because the filesystem was full below capacity_bytes"
         yield "counter", "nvme_disk_full_evictions", doc, {}, full
     doc = "1 when the CPU pool is page-locked"
     yield "gauge", "pinned_memory", doc, {}, float(s.pinned_memory)

@@ -131,6 +131,7 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
     # that a full tier finds a key of the writer's group among its oldest
     # (RowIndex.reserve's eviction window) instead of a run of one group.
     written_rows: list[tuple[WriteJob, tuple[int, int]]] = []
+    holes: list[RowRef] = []  # rows of failed writes that ran out of space: punched
     for run, n, exc, failed_syncs in (outcome for group in written for outcome in group):
         tier._counts["write_requests"] += 1
         row = tier._row_nbytes[run[0].ref.group_id]
@@ -158,9 +159,17 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
                 if exc is not None
                 else StorageError("short_write", f"short write of {job.key}: {n} bytes")
             )
-            tier._index.fail_write(job.key, job.ref, job.seq)
+            # A row that ran out of space may be a hole the index did not know of (punched
+            # in an earlier session, on a filesystem that does not answer FIEMAP): punch it,
+            # so that its blocks are allocated before it is handed out again.
+            hole = tier._can_punch and err.kind in ("enospc", "short_write")
+            tier._index.fail_write(job.key, job.ref, job.seq, hole=hole)
+            if hole:
+                holes.append(job.ref)
             fail(tier, err.kind)
             results[job.pos] = err
+    if holes:
+        await _blank(tier, holes, punch=True)
     written_rows.sort(key=lambda item: item[0].pos)
     for job, segment in written_rows:
         if tier._index.finish_write(job.key, job.ref, job.seq, job.start, job.stop):
@@ -453,13 +462,15 @@ async def _take_row(
     not in ``protect`` (the keys of its batch) (:meth:`RowIndex.evict_own`): a
     tier whose disk holds less than ``capacity_bytes`` keeps storing new
     keys, as an LRU cache within the space it got, and tries to grow again
-    at its next need. On another failed growth, or with no such key, the
-    reservation (if any) is given back and the error returned.
+    at its next need. A group with no such key punches rows of other groups
+    (their free rows, then their least recently used keys) and grows again.
+    On another failed growth, or with nothing to take, the reservation (if
+    any) is given back and the error returned.
     """
     index = tier._index
     group_id = job.key.group_id
     lock = tier._segment_locks.setdefault(group_id, asyncio.Lock())
-    waited = False  # for other groups' growths, once (_on_full_disk)
+    tried: set[str] = set()  # what _on_full_disk did for this row (each once)
     while True:
         if not job.reserved and index.has_row(group_id):
             ok, own = index.reserve(group_id, protect)
@@ -492,6 +503,8 @@ async def _take_row(
                     full = exc is not None and storage_error_kind(exc) == "enospc"
                 if exc is None:
                     tier._ahead_paused.discard(group_id)
+                    if "keys" in tried:
+                        tier._punch_misses = 0  # the punch gave the growth its room
                     continue
             if full:
                 if not tier._disk_full_logged:
@@ -503,9 +516,8 @@ async def _take_row(
                         tier.directory,
                         exc,
                     )
-                if (ref := await _on_full_disk(tier, job, protect, waited)) is not None:
+                if (ref := await _on_full_disk(tier, job, protect, tried)) is not None:
                     if ref is _RETRY:
-                        waited = True
                         continue
                     return ref
             if job.reserved:
@@ -514,18 +526,39 @@ async def _take_row(
 
 
 _RETRY = RowRef(-3, -3, -3)
+_PUNCH_MISSES = 2
+"""Growths in a row that failed although keys of other groups were evicted and punched for
+them, after which the tier stops doing so (:func:`_on_full_disk`): the filesystem does not
+give punched blocks back (one with snapshots), or another tenant takes them first."""
 
 
 async def _on_full_disk(
-    tier: NVMeTier, job: WriteJob, protect: Container[OffloadKey], waited: bool
+    tier: NVMeTier, job: WriteJob, protect: Container[OffloadKey], tried: set[str]
 ) -> RowRef | None:
     """A row of ``job``'s group cannot grow: the filesystem is full (ENOSPC, EDQUOT).
 
-    Growths of other groups in flight are waited for first, once per row
-    (unless ``waited``), and the growth tried again: a failing ``fallocate``
-    holds blocks until it gives up. Else the row of the group's least
-    recently used evictable key not in ``protect`` is taken
-    (:meth:`RowIndex.evict_own`).
+    In this order, each at most once per row (``tried`` records what was done):
+
+    1. growths of other groups in flight are waited for, and the growth
+       tried again: a failing ``fallocate`` holds blocks until it gives up;
+    2. the row of the group's least recently used evictable key not in
+       ``protect`` (the keys of its batch) is taken (:meth:`RowIndex.evict_own`)
+       and overwritten in place;
+    3. a group with no such key (it started writing after the others filled
+       the filesystem, or every key of it is being read or written by the
+       batch) takes disk blocks of other groups, enough for one row (and a
+       segment header where it starts a file): their free rows are punched
+       and the growth tried again, then (it failed again) their least
+       recently used evictable keys are evicted and punched
+       (:meth:`RowIndex.take_for_disk`) and the growth tried again. Without
+       it such a group failed every write for good, as the others' keys,
+       below ``capacity_bytes``, were never evicted. Skipped where the
+       filesystem has the room (``statvfs``: the growth failed for another
+       reason, a quota for one), where holes cannot be punched, and once
+       growths failed ``_PUNCH_MISSES`` times in a row after keys were
+       evicted for them (a filesystem that does not give punched blocks
+       back, such as one with snapshots): the tier then stops evicting keys
+       for disk space it does not get.
 
     Returns:
         A row for the job (its group's key's, now the job's reservation),
@@ -535,12 +568,38 @@ async def _on_full_disk(
     index = tier._index
     group_id = job.key.group_id
     others = [f for g, f in tier._growing.items() if g != group_id]
-    if others and not waited:
+    if others and "wait" not in tried:
+        tried.add("wait")
         await asyncio.wait(others)
         return _RETRY
+    if "keys" in tried:  # the growth failed again after keys were evicted for it
+        tier._punch_misses += 1
+        if tier._punch_misses >= _PUNCH_MISSES and tier._punch_frees:
+            tier._punch_frees = False  # do not evict keys for room that does not come
+            log.info(
+                "kvtier: punching rows of other groups gave %s no room to grow, %d times "
+                "in a row: rows now reuse their own group's keys only",
+                tier.directory,
+                _PUNCH_MISSES,
+            )
     if (ref := index.evict_own(group_id, protect, job.reserved)) is not None:
         job.reserved = True
         return ref
+    if not (tier._can_punch and tier._punch_frees) or {"rows", "keys"} <= tried:
+        return None
+    need = index.growth_nbytes(group_id)
+    try:
+        free = (await tier._run_meta(shutil.disk_usage, tier.directory)).free
+    except OSError:
+        free = 0  # not known: punching may help
+    if free >= need:  # the filesystem has the room (a quota, say): punching would not help
+        return None
+    for step in ("rows", "keys"):
+        if step not in tried:
+            tried.add(step)
+            if refs := index.take_for_disk(group_id, need, protect, keys=step == "keys"):
+                await _blank(tier, refs, punch=True)
+                return _RETRY
     return None
 
 

@@ -270,6 +270,8 @@ def scan_segment(row_io: RowIO, path: pathlib.Path, spec: GroupSpec, number: int
         if allocated < header.num_rows and spec.row_offset(allocated) < size:
             result.invalid_rows += 1  # a row cut by a truncation (or a torn growth)
         extents = allocated_extents(handle, size)
+        if extents is None:
+            extents = data_extents(handle, size)
         if extents is not None:
             result.holes = _rows_without_blocks(spec, allocated, extents)
         view = memoryview(buf)
@@ -436,6 +438,43 @@ def allocated_extents(handle: Any, nbytes: int) -> list[tuple[int, int]] | None:
         if last or mapped < count:
             break
         start = out[-1][1]
+    return out
+
+
+def data_extents(handle: Any, nbytes: int) -> list[tuple[int, int]] | None:
+    """Byte ranges ``[start, stop)`` of a file's first ``nbytes`` that hold data, by ``lseek``.
+
+    ``lseek(SEEK_DATA)`` / ``lseek(SEEK_HOLE)``, for filesystems that do not
+    answer ``FIEMAP`` (:func:`allocated_extents`), tmpfs for one. Punched
+    holes are holes; so are, on tmpfs (and ext4), ranges allocated with
+    ``fallocate`` but never written: a caller that treats every range outside
+    these as punched errs on the safe side (such a row gets its blocks
+    allocated again before a write).
+
+    Returns:
+        The ranges in file order, or None where the handle has no file
+        descriptor or ``lseek`` does not support it.
+
+    """
+    fd = handle if isinstance(handle, int) else getattr(handle, "fd", None)
+    if not isinstance(fd, int) or not hasattr(os, "SEEK_DATA"):
+        return None
+    out: list[tuple[int, int]] = []
+    pos = 0
+    try:
+        while pos < nbytes:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # no data past pos
+                    break
+                raise
+            if start >= nbytes:
+                break
+            pos = min(os.lseek(fd, start, os.SEEK_HOLE), nbytes)
+            out.append((start, pos))
+    except OSError:
+        return None
     return out
 
 

@@ -51,6 +51,7 @@ from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 
 from kvtier._types import OffloadKey
+from kvtier.io._format import HEADER_NBYTES
 
 __all__ = ["DEFERRED", "Growth", "RowEntry", "RowIndex", "RowRef"]
 
@@ -139,9 +140,11 @@ class RowIndex:
         evictions: keys evicted by LRU so far.
         window_evictions: those of ``evictions`` that took the writer's own
             group's key out of strict LRU order (``eviction_window``).
-        disk_full_evictions: those of ``evictions`` that took the writer's
-            own group's key because its segments could not grow (the
-            filesystem was full: :meth:`evict_own`).
+        disk_full_evictions: those of ``evictions`` made because the
+            writer's segments could not grow (the filesystem was full): its
+            own group's key (:meth:`evict_own`), or, for a group with no key
+            to take, keys of other groups whose rows are punched
+            (:meth:`take_for_disk`).
 
     """
 
@@ -438,6 +441,81 @@ class RowIndex:
             return entry.ref
         return None
 
+    def growth_nbytes(self, group_id: int) -> int:
+        """Disk bytes a one-row growth of a group takes: its row, and a header for a new segment."""
+        extend = any(a < n for n, a in self._segments[group_id].values())
+        return self._row_nbytes[group_id] + (0 if extend else HEADER_NBYTES)
+
+    def take_for_disk(
+        self, group_id: int, nbytes: int, protect: Container[OffloadKey], keys: bool
+    ) -> list[RowRef]:
+        """Give a group that cannot grow disk blocks of other groups, to be punched.
+
+        For a write of ``group_id`` whose segments cannot grow (the
+        filesystem is full below ``capacity_bytes``). With ``keys`` False:
+        free rows of other groups that hold their blocks, as far as the
+        index knows (a row punched in an earlier session may not be known as
+        punched where the filesystem does not answer ``FIEMAP``), those of
+        the groups with the most free rows first. With ``keys`` True: the
+        least recently used keys of other groups that are neither pinned nor
+        in ``protect``, evicted (counted in ``evictions`` and
+        ``disk_full_evictions``). Either until their rows add up to
+        ``nbytes``. The rows count as punched at once (:meth:`mark_punched`):
+        the caller punches them, then gives them back with :meth:`reclaimed`
+        (they become free rows of their groups).
+
+        Args:
+            group_id: the writer's group (its own free rows and keys are left alone).
+            nbytes: disk bytes the write needs (:meth:`growth_nbytes`).
+            protect: keys never evicted (those of the writing call).
+            keys: evict keys (True) or take free rows (False).
+
+        Returns:
+            The rows to punch; ``[]`` when there is none, or, with ``keys``,
+            when the evictable keys of other groups hold less than ``nbytes``
+            (nothing is evicted then).
+        """
+        refs: list[RowRef] = []
+        got = 0
+        if not keys:
+            rows = [
+                ref
+                for g, free in self._free.items()
+                if g != group_id
+                for ref in free
+                if ref not in self._holed
+            ]
+            rows.sort(key=lambda r: (-len(self._free[r.group_id]), r))
+            for ref in rows:
+                if got >= nbytes:
+                    break
+                refs.append(ref)
+                got += self._row_nbytes[ref.group_id]
+            taken = set(refs)
+            for g in {r.group_id for r in refs}:
+                self._free[g] = [r for r in self._free[g] if r not in taken]
+                heapq.heapify(self._free[g])
+            self.mark_punched(refs)
+            return refs
+        victims = []
+        for key, entry in self._lru.items():
+            if key.group_id == group_id or key in protect or entry.ref in self._pins:
+                continue
+            victims.append(key)
+            got += self._row_nbytes[key.group_id]
+            if got >= nbytes:
+                break
+        else:
+            return []
+        for key in victims:
+            entry = self._lru.pop(key)
+            self.evictions += 1
+            self.disk_full_evictions += 1
+            self.bytes_used -= self._row_nbytes[key.group_id]
+            refs.append(entry.ref)
+        self.mark_punched(refs)
+        return refs
+
     def unreserve(self, group_id: int) -> None:
         """Give back a reservation of :meth:`reserve` that got no row."""
         self.bytes_used -= self._row_nbytes[group_id]
@@ -655,10 +733,20 @@ class RowIndex:
             self._release(old.ref)
         return True
 
-    def fail_write(self, key: OffloadKey, ref: RowRef, seq: int) -> None:
-        """Forget a failed write; its row becomes stale (it may hold part of a trailer)."""
+    def fail_write(self, key: OffloadKey, ref: RowRef, seq: int, hole: bool = False) -> None:
+        """Forget a failed write; its row becomes stale (it may hold part of a trailer).
+
+        With ``hole``, the row is instead counted as punched at once
+        (:meth:`mark_punched`) and left to the caller, who punches it and gives
+        it back with :meth:`reclaimed`: for a write that ran out of space, whose
+        row may lack disk blocks.
+        """
         self._end_write(key, seq)
-        self._release(ref)
+        if not hole:
+            self._release(ref)
+            return
+        self.bytes_used -= self._row_nbytes[ref.group_id]
+        self.mark_punched([ref])
 
     # -- lookups and reads ------------------------------------------------------
 

@@ -214,6 +214,9 @@ class NVMeTier:
         self._ahead_paused: set[int] = set()  # groups whose last growth ahead failed
         self._ahead_failed: set[int] = set()  # groups whose growth ahead failed once (logged)
         self._can_punch = True  # False once fallocate(PUNCH_HOLE) was not supported here
+        # False once a growth failed again after punching other groups' rows for it
+        self._punch_frees = True
+        self._punch_misses = 0  # punch rounds in a row after which the growth still failed
         # One future per reclaim whose blanking I/O is in flight (see _batches.reclaim).
         self._blanking: set[asyncio.Future[None]] = set()
         # The future of each group's growth in flight (see _batches._grow_step).
@@ -517,9 +520,10 @@ class NVMeTier:
         ``failures_checksum``, under the name of its Prometheus counter), ``evictions``,
         ``window_evictions`` (evictions of the writer's own group's key out
         of strict LRU order, see ``eviction_window``), ``disk_full_evictions``
-        (evictions of the writer's own group's least recently used key
-        because its segments could not grow: the filesystem was full below
-        ``capacity_bytes``), ``direct_io``,
+        (evictions because the writer's segments could not grow, the
+        filesystem being full below ``capacity_bytes``: its own group's
+        least recently used key, or, for a group with no key to take, keys
+        of other groups whose rows were punched), ``direct_io``,
         ``direct_io_fallback``, ``backend``,
         ``invalid_rows_at_open``, ``invalid_segments_at_open``, ``segments``,
         ``reclaim_failures`` (stale rows whose trailer could not be blanked).

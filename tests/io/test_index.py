@@ -437,6 +437,43 @@ def test_a_writer_without_a_row_reserves_after_growth_and_a_full_disk_evicts_its
     assert index.take_free(0, holes=False) is not None
 
 
+def test_take_for_disk_gives_free_rows_then_the_oldest_keys_of_other_groups() -> None:
+    index = RowIndex({0: 4096, 1: 8192, 2: 4096}, 64 * 4096, {0: 8, 1: 8, 2: 8}, {0: 2, 1: 2, 2: 1})
+    a = [OffloadKey(bytes([i]), 0) for i in range(4)]
+    c = [OffloadKey(bytes([10 + i]), 2) for i in range(2)]
+    for k in (a[0], c[0], a[1], c[1], a[2], a[3]):  # LRU order
+        _put(index, k, set())
+    index.commit_growth(index.plan_growth(0))  # group 0: rows 4 and 5 free, holding blocks
+    assert index.growth_nbytes(1) == 8192 + 4096  # group 1 has no segment: a header too
+    held, used = index.held_nbytes, index.bytes_used
+    # free rows of other groups first, those of the group with the most free rows
+    rows = index.take_for_disk(1, 8192 + 4096, set(), keys=False)
+    assert rows == [RowRef(0, 0, 4), RowRef(0, 0, 5)]
+    assert index.held_nbytes == held - 2 * 4096  # counted as punched at once
+    assert index.free_rows(0) == 0
+    assert index.take_for_disk(1, 4096, set(), keys=False) == []  # no free row with blocks left
+    assert index.lru_keys() == [a[0], c[0], a[1], c[1], a[2], a[3]]  # no key evicted for rows
+    index.reclaimed(rows, punched=True)
+    assert index.free_rows(0) == 2
+    assert not index.has_row(0)  # they are holes now
+    # then keys of other groups, least recently used first, never protected or pinned ones
+    pinned = index.pin(c[0])
+    assert pinned is not None
+    keys = index.take_for_disk(1, 3 * 4096, {a[0]}, keys=True)
+    assert len(keys) == 3
+    assert index.lru_keys() == [a[0], c[0], a[3]]
+    assert (index.evictions, index.disk_full_evictions) == (3, 3)
+    assert index.bytes_used == used - 3 * 4096
+    assert index.held_nbytes == held - 5 * 4096
+    # not enough evictable bytes: nothing is evicted
+    assert index.take_for_disk(1, 2 * 4096, {a[0]}, keys=True) == []
+    assert index.lru_keys() == [a[0], c[0], a[3]]
+    # never the writer's own group
+    assert index.take_for_disk(0, 4096, {a[0]}, keys=True) == []
+    index.reclaimed(keys, punched=True)
+    assert index.held_nbytes == held - 5 * 4096
+
+
 def _put(index: RowIndex, key: OffloadKey, protect: set[OffloadKey]) -> RowRef | None:
     """Reserve, take a row (growing), publish ``key``; the evicted row handed over, if any."""
     ok, own = index.reserve(key.group_id, protect)
