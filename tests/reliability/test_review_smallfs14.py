@@ -21,6 +21,7 @@ A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; a "Fixed i
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import random
@@ -127,6 +128,48 @@ async def test_a_group_that_starts_after_another_filled_the_filesystem_takes_its
     got = [(await tier.write_rows(_rows(buf, [k])))[0] for k in a_new]
     assert _kinds(got) == [None] * 12, _kinds(got)
     assert set(a_new) <= set(tier.keys())
+    _states(tier._index)
+    snap = await _snapshot(tier)
+    await tier.close()
+    assert all(data == _data(k) for k, data in snap.items())
+
+
+async def test_a_write_into_a_hole_the_index_did_not_know_of_punches_that_row(tmpfs, slots) -> None:
+    """A free row that holds no blocks although the index counts it as holding them (punched
+    from outside the tier here; a row punched in an earlier session on a filesystem that
+    says nothing of holes at open), on a full filesystem: the write into it fails (a short
+    write or ENOSPC, for that key only), and the row is punched, so that it is allocated
+    before it is handed out again. Before session 16 its trailer was blanked instead, which
+    failed with ENOSPC too, the row stayed "holding blocks" and every later write of the
+    group took it and failed the same way."""
+    mnt = tmpfs(1 << 20)
+    tier = await _open(mnt / "nvme", {A: NB[A]}, capacity_bytes=16 << 20)
+    buf = slots(1, SLOT)
+    n = 0
+    while tier.stats()["disk_full_evictions"] == 0:  # the filesystem is full of A's keys
+        assert await tier.write_rows(_rows(buf, [_key(n, A)])) == [None]
+        n += 1
+        assert n < 1000
+    tier.discard(_key(n - 1, A))  # two rows blanked by the next write, then free
+    tier.discard(_key(n - 2, A))
+    assert await tier.write_rows(_rows(buf, [_key("x", A)])) == [None]  # takes one of them
+    free = [r for r in tier._index._free[A] if r not in tier._index._holed]
+    assert len(free) == 1  # a free row holding its blocks
+    spec, ref = tier._specs[A], free[0]
+    seg = os.open(tier.directory / f"g{A}" / f"{ref.segment}.kvrows", os.O_RDWR)
+    try:  # another hand punches the free row; then another tenant takes the space
+        libc = ctypes.CDLL(None, use_errno=True)
+        punch = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+        off, size = ctypes.c_int64(spec.row_offset(ref.row)), ctypes.c_int64(spec.row_nbytes)
+        assert libc.fallocate(seg, punch, off, size) == 0
+    finally:
+        os.close(seg)
+    df13._fill(mnt)
+    got = [(await tier.write_rows(_rows(buf, [_key(f"h{i}", A)])))[0] for i in range(6)]
+    kinds = _kinds(got)
+    assert kinds[0] in ("short_write", "enospc"), kinds  # the write into the hole
+    assert kinds[1:] == [None] * 5, kinds  # was: the same failure, for good
+    assert tier.stats()["failures_short_write"] + tier.stats()["failures_enospc"] == 1
     _states(tier._index)
     snap = await _snapshot(tier)
     await tier.close()
