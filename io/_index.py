@@ -363,16 +363,10 @@ class RowIndex:
             return True, ref
         victims: list[OffloadKey] = []
         if need > 0:
-            freed = 0
-            for key, entry in self._lru.items():
-                if key in protect or entry.ref in self._pins:
-                    continue
-                victims.append(key)
-                freed += self._row_nbytes[key.group_id]
-                if freed >= need:
-                    break
-            else:
+            found = self._lru_victims(need, protect)
+            if found is None:
                 return False, None
+            victims = found
             if not evict_others and all(key.group_id != group_id for key in victims):
                 return False, DEFERRED  # none of them would hand a row over: grow first
         own: RowRef | None = None
@@ -386,6 +380,25 @@ class RowIndex:
         if own is None:
             self.bytes_used += row
         return True, own
+
+    def _lru_victims(
+        self, need: int, protect: Container[OffloadKey], skip_group: int | None = None
+    ) -> list[OffloadKey] | None:
+        """The least recently used evictable keys whose rows add up to ``need`` bytes.
+
+        Pinned keys, keys in ``protect`` and keys of ``skip_group`` are passed
+        over. None when all the others together hold less.
+        """
+        victims: list[OffloadKey] = []
+        freed = 0
+        for key, entry in self._lru.items():
+            if key.group_id == skip_group or key in protect or entry.ref in self._pins:
+                continue
+            victims.append(key)
+            freed += self._row_nbytes[key.group_id]
+            if freed >= need:
+                return victims
+        return None
 
     def _own_victim(self, group_id: int, protect: Container[OffloadKey]) -> RowRef | None:
         """Evict the LRU key of ``group_id`` if it is within the window; its row, or None."""
@@ -497,15 +510,8 @@ class RowIndex:
                 heapq.heapify(self._free[g])
             self.mark_punched(refs)
             return refs
-        victims = []
-        for key, entry in self._lru.items():
-            if key.group_id == group_id or key in protect or entry.ref in self._pins:
-                continue
-            victims.append(key)
-            got += self._row_nbytes[key.group_id]
-            if got >= nbytes:
-                break
-        else:
+        victims = self._lru_victims(nbytes, protect, skip_group=group_id)
+        if victims is None:
             return []
         for key in victims:
             entry = self._lru.pop(key)
