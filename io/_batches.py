@@ -168,12 +168,12 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
                 holes.append(job.ref)
             fail(tier, err.kind)
             results[job.pos] = err
-    if holes:
-        await _blank(tier, holes, punch=True)
     written_rows.sort(key=lambda item: item[0].pos)
     for job, segment in written_rows:
         if tier._index.finish_write(job.key, job.ref, job.seq, job.start, job.stop):
             tier._unsynced.setdefault(segment, {})[job.ref.row] = job.key
+    if holes:
+        await _blank(tier, holes, punch=True)
     if tier._index.over_budget and tier._can_punch:
         # A growth past the disk budget may have left the tier past it (the write took
         # a row the growth's reclaim had punched): punch free rows back within it.
