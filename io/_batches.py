@@ -441,6 +441,7 @@ async def _grow_step(
         del tier._growing[group_id]
         in_flight.set_result(None)
     index.commit_growth(plan)
+    tier._punch_frees, tier._punch_misses = True, 0  # room again: punching may help again
     return None, plan.stop - plan.start
 
 
@@ -484,29 +485,17 @@ async def _take_row(
         async with lock:
             if index.has_row(group_id):
                 continue
-            if index.free_rows(group_id):  # punched rows only
-                hole = index.take_free(group_id)
-                assert hole is not None
-                exc = await _fill_hole(tier, hole)
-                if exc is None:
-                    if job.reserved:
-                        return hole
-                    index.reclaimed([hole])  # a free row with blocks: reserve, then take it
-                    continue
-                full = storage_error_kind(exc) == "enospc"  # or EDQUOT
-            else:
-                async with _claim_growth(tier, group_id) as one:
-                    exc, rows = await _grow_step(tier, group_id, max_rows=one)
-                full = exc is not None and storage_error_kind(exc) == "enospc"
-                if full and rows > 1:  # a whole step did not fit: one row may
-                    exc, _ = await _grow_step(tier, group_id, max_rows=1)
-                    full = exc is not None and storage_error_kind(exc) == "enospc"
-                if exc is None:
-                    tier._ahead_paused.discard(group_id)
-                    if "keys" in tried:
-                        tier._punch_misses = 0  # the punch gave the growth its room
-                    continue
-            if full:
+            # Once the filesystem was full, allocations wait for a row that punches rows
+            # of other groups for room (_punch_for_row), which would lose them otherwise.
+            serial = tier._punch_lock if tier._disk_full_logged else contextlib.nullcontext()
+            async with serial:
+                got = await _allocate(tier, job)
+            if isinstance(got, RowRef):
+                return got
+            if got is None:
+                continue
+            exc = got
+            if storage_error_kind(exc) == "enospc":  # or EDQUOT
                 if not tier._disk_full_logged:
                     tier._disk_full_logged = True
                     log.warning(
@@ -525,11 +514,52 @@ async def _take_row(
             return as_storage_error(exc, f"cannot grow the segments of group {group_id}")
 
 
+async def _allocate(tier: NVMeTier, job: WriteJob) -> RowRef | Exception | None:
+    """Allocate disk blocks for a row of ``job``'s group (the caller holds its segment lock).
+
+    A punched free row gets its blocks (:func:`_fill_hole`); else the group
+    grows by a step (one row while the filesystem has fewer than
+    ``_FREE_STEPS`` steps free), or by one row where the step did not fit.
+
+    Returns:
+        The filled row, for a job with a reservation; None: a row is at hand
+        now (take it); or the error (the row given back, punched).
+    """
+    index = tier._index
+    group_id = job.key.group_id
+    if index.free_rows(group_id):  # punched rows only
+        hole = index.take_free(group_id)
+        assert hole is not None
+        exc = await _fill_hole(tier, hole)
+        if exc is not None:
+            return exc
+        if job.reserved:
+            return hole
+        index.reclaimed([hole])  # a free row with blocks: reserve, then take it
+        return None
+    async with _claim_growth(tier, group_id) as one:
+        exc, rows = await _grow_step(tier, group_id, max_rows=one)
+    if exc is not None and rows > 1 and storage_error_kind(exc) == "enospc":
+        exc, _ = await _grow_step(tier, group_id, max_rows=1)  # a step did not fit: a row may
+    if exc is None:
+        tier._ahead_paused.discard(group_id)
+    return exc
+
+
 _RETRY = RowRef(-3, -3, -3)
 _PUNCH_MISSES = 2
-"""Growths in a row that failed although keys of other groups were evicted and punched for
-them, after which the tier stops doing so (:func:`_on_full_disk`): the filesystem does not
-give punched blocks back (one with snapshots), or another tenant takes them first."""
+"""Rows in a row whose growth failed after keys of other groups were punched for them,
+after which the tier stops evicting keys for disk space until a growth succeeds
+(:func:`_punch_for_row`): the filesystem does not give punched blocks back (one with
+snapshots), or another tenant takes them first."""
+_SLACK = 4096
+"""Bytes punched beyond a row's own (:func:`_punch_for_row`)."""
+_ROW_ROUNDS = 4
+_KEY_ROUNDS = 2
+"""Rounds of other groups' keys a row may punch (:func:`_punch_for_row`): another group's
+growth, tried before it punched for its own row, may take what the first round freed."""
+"""Rounds of other groups' free rows a row may punch before keys are evicted for it
+(:func:`_punch_for_row`): rows found at open by ``lseek`` may be punched already."""
 
 
 async def _on_full_disk(
@@ -546,24 +576,17 @@ async def _on_full_disk(
        and overwritten in place;
     3. a group with no such key (it started writing after the others filled
        the filesystem, or every key of it is being read or written by the
-       batch) takes disk blocks of other groups, enough for one row (and a
-       segment header where it starts a file): their free rows are punched
-       and the growth tried again, then (it failed again) their least
-       recently used evictable keys are evicted and punched
-       (:meth:`RowIndex.take_for_disk`) and the growth tried again. Without
-       it such a group failed every write for good, as the others' keys,
-       below ``capacity_bytes``, were never evicted. Skipped where the
-       filesystem has the room (``statvfs``: the growth failed for another
-       reason, a quota for one), where holes cannot be punched, and once
-       growths failed ``_PUNCH_MISSES`` times in a row after keys were
-       evicted for them (a filesystem that does not give punched blocks
-       back, such as one with snapshots): the tier then stops evicting keys
-       for disk space it does not get.
+       batch) takes disk blocks of other groups for one row and grows
+       (:func:`_punch_for_row`). Without it such a group failed every write
+       for good, as the others' keys, below ``capacity_bytes``, were never
+       evicted. Skipped where holes cannot be punched, and once punching
+       keys gave no room ``_PUNCH_MISSES`` times in a row, until an
+       allocation succeeds again.
 
     Returns:
         A row for the job (its group's key's, now the job's reservation),
-        ``_RETRY`` (grow again), or None (nothing to take: the job fails with
-        the growth's error).
+        ``_RETRY`` (a row is at hand or grow again), or None (nothing to
+        take: the job fails with the growth's error).
     """
     index = tier._index
     group_id = job.key.group_id
@@ -572,34 +595,87 @@ async def _on_full_disk(
         tried.add("wait")
         await asyncio.wait(others)
         return _RETRY
-    if "keys" in tried:  # the growth failed again after keys were evicted for it
-        tier._punch_misses += 1
-        if tier._punch_misses >= _PUNCH_MISSES and tier._punch_frees:
-            tier._punch_frees = False  # do not evict keys for room that does not come
-            log.info(
-                "kvtier: punching rows of other groups gave %s no room to grow, %d times "
-                "in a row: rows now reuse their own group's keys only",
-                tier.directory,
-                _PUNCH_MISSES,
-            )
     if (ref := index.evict_own(group_id, protect, job.reserved)) is not None:
         job.reserved = True
         return ref
-    if not (tier._can_punch and tier._punch_frees) or {"rows", "keys"} <= tried:
+    if "punch" in tried or not (tier._can_punch and tier._punch_frees):
         return None
+    tried.add("punch")
+    async with tier._punch_lock:  # the blocks punched for a row are that row's
+        return _RETRY if await _punch_for_row(tier, group_id, protect) else None
+
+
+async def _punch_for_row(tier: NVMeTier, group_id: int, protect: Container[OffloadKey]) -> bool:
+    """Punch rows of other groups until one row of ``group_id`` fits, and grow it by that row.
+
+    The caller holds the group's segment lock and ``tier._punch_lock`` (so
+    that rows of two such groups do not take each other's punched blocks).
+    First free rows of other groups, enough bytes for one row (and a segment
+    header where the group starts a file, :meth:`RowIndex.growth_nbytes`),
+    for up to ``_ROW_ROUNDS`` rounds while the growth still fails (rows
+    found at open by ``lseek`` may be holes already); then the least
+    recently used evictable keys of other groups not in ``protect``, a page
+    more (:meth:`RowIndex.take_for_disk`), for up to ``_KEY_ROUNDS`` rounds.
+    After ``_PUNCH_MISSES`` rows in a row whose growth failed after every
+    key round (a filesystem that keeps punched blocks, or another tenant
+    took them), the tier stops punching for disk space
+    (``tier._punch_frees``) until a growth or a punched row's allocation
+    succeeds (:func:`_grow_step`, :func:`_fill_hole`).
+
+    Returns:
+        Whether the group grew by a row.
+    """
+    index = tier._index
     need = index.growth_nbytes(group_id)
-    try:
-        free = (await tier._run_meta(shutil.disk_usage, tier.directory)).free
-    except OSError:
-        free = 0  # not known: punching may help
-    if free >= need:  # the filesystem has the room (a quota, say): punching would not help
-        return None
-    for step in ("rows", "keys"):
-        if step not in tried:
-            tried.add(step)
-            if refs := index.take_for_disk(group_id, need, protect, keys=step == "keys"):
-                await _blank(tier, refs, punch=True)
-                return _RETRY
+    skip: set[RowRef] = set()
+    for _ in range(_ROW_ROUNDS):
+        refs = index.take_for_disk(group_id, need, protect, keys=False, skip=skip)
+        if not refs:
+            break
+        skip.update(refs)
+        await _blank(tier, refs, punch=True)
+        if (grew := await _grow_row(tier, group_id)) is not None:
+            return grew
+    for _ in range(_KEY_ROUNDS):
+        # a page more than the row: a growth may need a block for the file's extent tree
+        refs = index.take_for_disk(group_id, need + _SLACK, protect, keys=True)
+        if not refs:
+            return False
+        await _blank(tier, refs, punch=True)
+        if (grew := await _grow_row(tier, group_id)) is not None:
+            return grew
+    _punch_missed(tier)
+    return False
+
+
+def _punch_missed(tier: NVMeTier) -> None:
+    """Count a row whose growth failed after its key punch; stop after ``_PUNCH_MISSES``."""
+    tier._punch_misses += 1
+    if tier._punch_misses >= _PUNCH_MISSES and tier._punch_frees:
+        tier._punch_frees = False
+        log.info(
+            "kvtier: punching rows of other groups gave %s no room, %d times in a row: keys "
+            "are no longer evicted for disk space until an allocation succeeds",
+            tier.directory,
+            _PUNCH_MISSES,
+        )
+
+
+async def _grow_row(tier: NVMeTier, group_id: int) -> bool | None:
+    """Grow a group by one row after a punch (the caller holds its segment lock).
+
+    Returns:
+        True: it grew. None: the filesystem is still full (punching more may
+        help). False: punching more would not help (the growth failed
+        otherwise than with ENOSPC or EDQUOT, or holes cannot be punched here).
+    """
+    async with _claim_growth(tier, group_id):
+        exc, _ = await _grow_step(tier, group_id, max_rows=1)
+    if exc is None:
+        tier._ahead_paused.discard(group_id)
+        return True
+    if storage_error_kind(exc) != "enospc" or not tier._can_punch:
+        return False
     return None
 
 
@@ -619,6 +695,7 @@ async def _fill_hole(tier: NVMeTier, ref: RowRef) -> Exception | None:
     except Exception as exc:
         tier._index.reclaimed([ref], punched=True)
         return exc
+    tier._punch_frees, tier._punch_misses = True, 0  # room again: punching may help again
     return None
 
 
@@ -788,6 +865,7 @@ async def scan(tier: NVMeTier) -> None:
     found: dict[tuple[int, int], tuple[int, int]] = {}
     rows: list[tuple[RowRef, OffloadKey, int, int, int]] = []
     holes: list[RowRef] = []
+    unsure: list[RowRef] = []  # of holes: found by lseek, maybe rows that hold blocks
     blind = False  # some trailer (or a whole segment) could not be read, or was invalid
     for g, spec in tier._specs.items():
         group_dir = tier.directory / f"g{g}"
@@ -812,7 +890,9 @@ async def scan(tier: NVMeTier) -> None:
             found[(g, n)] = (scan.num_rows, scan.allocated_rows)
             rows.extend(scan.rows)
             holes.extend(RowRef(g, n, i) for i in scan.holes)
+            if scan.holes_unsure:
+                unsure.extend(RowRef(g, n, i) for i in scan.holes)
             # any invalid row may be a misread one whose trailer is intact on disk
             blind = blind or scan.invalid_rows > 0
             tier._counts["invalid_rows_at_open"] += scan.invalid_rows
-    tier._index.rebuild(found, rows, blind=blind, holes=holes)
+    tier._index.rebuild(found, rows, blind=blind, holes=holes, unsure=unsure)

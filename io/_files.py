@@ -99,6 +99,9 @@ class ScanResult:
     error: str = ""
     holes: list[int] = field(default_factory=list)
     """Allocated rows that hold no disk block (punched), where the filesystem tells."""
+    holes_unsure: bool = False
+    """``holes`` came from ``lseek(SEEK_DATA)`` (:func:`data_extents`): some may be rows
+    allocated but never written, which hold their blocks."""
 
 
 def prepare_directory(root: pathlib.Path, directory: pathlib.Path, format_json: str) -> int:
@@ -272,6 +275,7 @@ def scan_segment(row_io: RowIO, path: pathlib.Path, spec: GroupSpec, number: int
         extents = allocated_extents(handle, size)
         if extents is None:
             extents = data_extents(handle, size)
+            result.holes_unsure = extents is not None
         if extents is not None:
             result.holes = _rows_without_blocks(spec, allocated, extents)
         view = memoryview(buf)

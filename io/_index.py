@@ -181,6 +181,8 @@ class RowIndex:
         self._stale: list[RowRef] = []
         self._holed: set[RowRef] = set()  # punched rows (free, or being blanked)
         self._holed_nbytes = 0
+        # of the free punched rows, those found at open by lseek (rebuild's ``unsure``)
+        self._unsure: set[RowRef] = set()
         # rows counted as punched before their punch is done (mark_punched)
         self._promised: set[RowRef] = set()
         self._promised_nbytes = 0
@@ -210,6 +212,7 @@ class RowIndex:
         *,
         blind: bool = False,
         holes: Iterable[RowRef] = (),
+        unsure: Iterable[RowRef] = (),
     ) -> None:
         """Set the state found on disk at open (call once, on an empty index).
 
@@ -230,6 +233,10 @@ class RowIndex:
                 earlier session); the free ones count as punched, so that
                 ``held_nbytes`` starts as the blocks the files hold (without
                 it every allocated row counts as holding blocks).
+            unsure: those of ``holes`` that may hold their blocks after all
+                (found by ``lseek(SEEK_DATA)``, which reports allocated but
+                never written ranges as holes on some filesystems): they
+                count as punched, but :meth:`take_for_disk` may punch them.
 
         """
         best: dict[OffloadKey, RowEntry] = {}
@@ -256,6 +263,7 @@ class RowIndex:
         for ref in holes:
             if ref not in taken:
                 self._add_hole(ref)  # punched in an earlier session: done, not promised
+        self._unsure = {ref for ref in unsure if ref in self._holed}
         if blind:
             self._seq += SEQ_JUMP
         for key, entry in sorted(best.items(), key=lambda kv: kv[1].seq):
@@ -460,16 +468,21 @@ class RowIndex:
         return self._row_nbytes[group_id] + (0 if extend else HEADER_NBYTES)
 
     def take_for_disk(
-        self, group_id: int, nbytes: int, protect: Container[OffloadKey], keys: bool
+        self,
+        group_id: int,
+        nbytes: int,
+        protect: Container[OffloadKey],
+        keys: bool,
+        skip: Container[RowRef] = (),
     ) -> list[RowRef]:
         """Give a group that cannot grow disk blocks of other groups, to be punched.
 
         For a write of ``group_id`` whose segments cannot grow (the
         filesystem is full below ``capacity_bytes``). With ``keys`` False:
         free rows of other groups that hold their blocks, as far as the
-        index knows (a row punched in an earlier session may not be known as
-        punched where the filesystem does not answer ``FIEMAP``), those of
-        the groups with the most free rows first. With ``keys`` True: the
+        index knows, those of the groups with the most free rows first, then
+        free rows found at open by ``lseek`` that may hold them (``unsure``
+        of :meth:`rebuild`), none of ``skip``. With ``keys`` True: the
         least recently used keys of other groups that are neither pinned nor
         in ``protect``, evicted (counted in ``evictions`` and
         ``disk_full_evictions``). Either until their rows add up to
@@ -482,6 +495,7 @@ class RowIndex:
             nbytes: disk bytes the write needs (:meth:`growth_nbytes`).
             protect: keys never evicted (those of the writing call).
             keys: evict keys (True) or take free rows (False).
+            skip: rows not to take (punched for this write already).
 
         Returns:
             The rows to punch; ``[]`` when there is none, or, with ``keys``,
@@ -496,9 +510,9 @@ class RowIndex:
                 for g, free in self._free.items()
                 if g != group_id
                 for ref in free
-                if ref not in self._holed
+                if (ref not in self._holed or ref in self._unsure) and ref not in skip
             ]
-            rows.sort(key=lambda r: (-len(self._free[r.group_id]), r))
+            rows.sort(key=lambda r: (r in self._unsure, -len(self._free[r.group_id]), r))
             for ref in rows:
                 if got >= nbytes:
                     break
@@ -508,7 +522,8 @@ class RowIndex:
             for g in {r.group_id for r in refs}:
                 self._free[g] = [r for r in self._free[g] if r not in taken]
                 heapq.heapify(self._free[g])
-            self.mark_punched(refs)
+            self._unsure -= taken
+            self.mark_punched(refs)  # the unsure ones count as punched already
             return refs
         victims = self._lru_victims(nbytes, protect, skip_group=group_id)
         if victims is None:
@@ -553,6 +568,7 @@ class RowIndex:
             heapq.heapify(kept)
             self._free[group_id] = kept
         self._drop_hole(ref)  # a punched row: its blocks are allocated again
+        self._unsure.discard(ref)
         return ref
 
     def has_row(self, group_id: int) -> bool:
@@ -679,6 +695,7 @@ class RowIndex:
         """
         for ref in refs:
             heapq.heappush(self._free[ref.group_id], ref)
+            self._unsure.discard(ref)
             if ref in self._promised:
                 self._promised.discard(ref)
                 self._promised_nbytes -= self._row_nbytes[ref.group_id]

@@ -214,9 +214,10 @@ class NVMeTier:
         self._ahead_paused: set[int] = set()  # groups whose last growth ahead failed
         self._ahead_failed: set[int] = set()  # groups whose growth ahead failed once (logged)
         self._can_punch = True  # False once fallocate(PUNCH_HOLE) was not supported here
-        # False once a growth failed again after punching other groups' rows for it
+        # False once punching other groups' keys gave no room, _PUNCH_MISSES times in a row
         self._punch_frees = True
-        self._punch_misses = 0  # punch rounds in a row after which the growth still failed
+        self._punch_misses = 0  # key punches in a row that gave no room (_punch_for_row)
+        self._punch_lock = asyncio.Lock()  # one row at a time punches for room
         # One future per reclaim whose blanking I/O is in flight (see _batches.reclaim).
         self._blanking: set[asyncio.Future[None]] = set()
         # The future of each group's growth in flight (see _batches._grow_step).
