@@ -549,17 +549,17 @@ async def _allocate(tier: NVMeTier, job: WriteJob) -> RowRef | Exception | None:
 _RETRY = RowRef(-3, -3, -3)
 _PUNCH_MISSES = 2
 """Rows in a row whose growth failed after keys of other groups were punched for them,
-after which the tier stops evicting keys for disk space until a growth succeeds
+after which the tier stops evicting keys for disk space until an allocation succeeds
 (:func:`_punch_for_row`): the filesystem does not give punched blocks back (one with
 snapshots), or another tenant takes them first."""
 _SLACK = 4096
 """Bytes punched beyond a row's own (:func:`_punch_for_row`)."""
 _ROW_ROUNDS = 4
-_KEY_ROUNDS = 2
-"""Rounds of other groups' keys a row may punch (:func:`_punch_for_row`): another group's
-growth, tried before it punched for its own row, may take what the first round freed."""
 """Rounds of other groups' free rows a row may punch before keys are evicted for it
-(:func:`_punch_for_row`): rows found at open by ``lseek`` may be punched already."""
+(:func:`_punch_for_row`): a free row may hold fewer blocks than the index counts."""
+_KEY_ROUNDS = 2
+"""Rounds of other groups' keys a row may punch (:func:`_punch_for_row`): a growth tried
+before the lock was taken (growth ahead, say) may take what the first round freed."""
 
 
 async def _on_full_disk(
@@ -612,8 +612,9 @@ async def _punch_for_row(tier: NVMeTier, group_id: int, protect: Container[Offlo
     that rows of two such groups do not take each other's punched blocks).
     First free rows of other groups, enough bytes for one row (and a segment
     header where the group starts a file, :meth:`RowIndex.growth_nbytes`),
-    for up to ``_ROW_ROUNDS`` rounds while the growth still fails (rows
-    found at open by ``lseek`` may be holes already); then the least
+    for up to ``_ROW_ROUNDS`` rounds while the growth still fails (a free
+    row may lack blocks the index counts, punched by a failed earlier
+    punch or outside the tier); then the least
     recently used evictable keys of other groups not in ``protect``, a page
     more (:meth:`RowIndex.take_for_disk`), for up to ``_KEY_ROUNDS`` rounds.
     After ``_PUNCH_MISSES`` rows in a row whose growth failed after every
@@ -865,7 +866,7 @@ async def scan(tier: NVMeTier) -> None:
     found: dict[tuple[int, int], tuple[int, int]] = {}
     rows: list[tuple[RowRef, OffloadKey, int, int, int]] = []
     holes: list[RowRef] = []
-    unsure: list[RowRef] = []  # of holes: found by lseek, maybe rows that hold blocks
+    unsure: dict[tuple[int, int], list[int]] = {}  # holes found by lseek: rows by segment
     blind = False  # some trailer (or a whole segment) could not be read, or was invalid
     for g, spec in tier._specs.items():
         group_dir = tier.directory / f"g{g}"
@@ -890,9 +891,37 @@ async def scan(tier: NVMeTier) -> None:
             found[(g, n)] = (scan.num_rows, scan.allocated_rows)
             rows.extend(scan.rows)
             holes.extend(RowRef(g, n, i) for i in scan.holes)
-            if scan.holes_unsure:
-                unsure.extend(RowRef(g, n, i) for i in scan.holes)
+            if scan.holes_unsure and scan.holes:
+                unsure[(g, n)] = scan.holes
             # any invalid row may be a misread one whose trailer is intact on disk
             blind = blind or scan.invalid_rows > 0
             tier._counts["invalid_rows_at_open"] += scan.invalid_rows
-    tier._index.rebuild(found, rows, blind=blind, holes=holes, unsure=unsure)
+    tier._index.rebuild(found, rows, blind=blind, holes=holes)
+    await _punch_unsure(tier, unsure)
+
+
+async def _punch_unsure(tier: NVMeTier, unsure: dict[tuple[int, int], list[int]]) -> None:
+    """Punch the free rows an open found without data by ``lseek`` (no ``FIEMAP``: tmpfs).
+
+    ``lseek(SEEK_DATA)`` reports ranges allocated but never written as holes
+    too, so some of these rows may still hold their blocks while the index
+    counts them as punched (``held_nbytes`` would leave them out, and the
+    disk budget would not hold). Punching them makes that count exact; they
+    are free, so nothing is lost (a row of a key is never among them). A
+    failed punch is logged and counted (``reclaim_failures``). Never raises.
+    """
+    index = tier._index
+    for (g, n), rows in unsure.items():
+        free = [i for i in rows if index.punched(RowRef(g, n, i))]
+        if not free or not tier._can_punch:
+            continue
+        try:
+            punched = await tier._run_meta(
+                _files.blank_rows, tier._row_io, tier._segments[(g, n)], tier._specs[g], free
+            )
+        except Exception as exc:
+            log.warning("punching free rows of segment g%d/%d at open failed: %s", g, n, exc)
+            tier._counts["reclaim_failures"] += 1
+            continue
+        if not punched:
+            tier._can_punch = False  # their trailers were zeroed: blank, blocks unknown

@@ -181,8 +181,6 @@ class RowIndex:
         self._stale: list[RowRef] = []
         self._holed: set[RowRef] = set()  # punched rows (free, or being blanked)
         self._holed_nbytes = 0
-        # of the free punched rows, those found at open by lseek (rebuild's ``unsure``)
-        self._unsure: set[RowRef] = set()
         # rows counted as punched before their punch is done (mark_punched)
         self._promised: set[RowRef] = set()
         self._promised_nbytes = 0
@@ -212,7 +210,6 @@ class RowIndex:
         *,
         blind: bool = False,
         holes: Iterable[RowRef] = (),
-        unsure: Iterable[RowRef] = (),
     ) -> None:
         """Set the state found on disk at open (call once, on an empty index).
 
@@ -233,10 +230,6 @@ class RowIndex:
                 earlier session); the free ones count as punched, so that
                 ``held_nbytes`` starts as the blocks the files hold (without
                 it every allocated row counts as holding blocks).
-            unsure: those of ``holes`` that may hold their blocks after all
-                (found by ``lseek(SEEK_DATA)``, which reports allocated but
-                never written ranges as holes on some filesystems): they
-                count as punched, but :meth:`take_for_disk` may punch them.
 
         """
         best: dict[OffloadKey, RowEntry] = {}
@@ -263,7 +256,6 @@ class RowIndex:
         for ref in holes:
             if ref not in taken:
                 self._add_hole(ref)  # punched in an earlier session: done, not promised
-        self._unsure = {ref for ref in unsure if ref in self._holed}
         if blind:
             self._seq += SEQ_JUMP
         for key, entry in sorted(best.items(), key=lambda kv: kv[1].seq):
@@ -480,9 +472,8 @@ class RowIndex:
         For a write of ``group_id`` whose segments cannot grow (the
         filesystem is full below ``capacity_bytes``). With ``keys`` False:
         free rows of other groups that hold their blocks, as far as the
-        index knows, those of the groups with the most free rows first, then
-        free rows found at open by ``lseek`` that may hold them (``unsure``
-        of :meth:`rebuild`), none of ``skip``. With ``keys`` True: the
+        index knows, those of the groups with the most free rows first, none
+        of ``skip``. With ``keys`` True: the
         least recently used keys of other groups that are neither pinned nor
         in ``protect``, evicted (counted in ``evictions`` and
         ``disk_full_evictions``). Either until their rows add up to
@@ -510,9 +501,9 @@ class RowIndex:
                 for g, free in self._free.items()
                 if g != group_id
                 for ref in free
-                if (ref not in self._holed or ref in self._unsure) and ref not in skip
+                if ref not in self._holed and ref not in skip
             ]
-            rows.sort(key=lambda r: (r in self._unsure, -len(self._free[r.group_id]), r))
+            rows.sort(key=lambda r: (-len(self._free[r.group_id]), r))
             for ref in rows:
                 if got >= nbytes:
                     break
@@ -522,8 +513,7 @@ class RowIndex:
             for g in {r.group_id for r in refs}:
                 self._free[g] = [r for r in self._free[g] if r not in taken]
                 heapq.heapify(self._free[g])
-            self._unsure -= taken
-            self.mark_punched(refs)  # the unsure ones count as punched already
+            self.mark_punched(refs)
             return refs
         victims = self._lru_victims(nbytes, protect, skip_group=group_id)
         if victims is None:
@@ -568,7 +558,6 @@ class RowIndex:
             heapq.heapify(kept)
             self._free[group_id] = kept
         self._drop_hole(ref)  # a punched row: its blocks are allocated again
-        self._unsure.discard(ref)
         return ref
 
     def has_row(self, group_id: int) -> bool:
@@ -628,6 +617,10 @@ class RowIndex:
         :meth:`take_to_punch`) until it is back within.
         """
         return self.held_nbytes > self.disk_budget_nbytes
+
+    def punched(self, ref: RowRef) -> bool:
+        """Whether an allocated row counts as punched (holds no disk blocks)."""
+        return ref in self._holed
 
     def take_stale(self) -> list[RowRef]:
         """Hand the stale rows to the caller, who blanks their trailers, then :meth:`reclaimed`."""
@@ -695,7 +688,6 @@ class RowIndex:
         """
         for ref in refs:
             heapq.heappush(self._free[ref.group_id], ref)
-            self._unsure.discard(ref)
             if ref in self._promised:
                 self._promised.discard(ref)
                 self._promised_nbytes -= self._row_nbytes[ref.group_id]

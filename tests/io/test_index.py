@@ -474,30 +474,6 @@ def test_take_for_disk_gives_free_rows_then_the_oldest_keys_of_other_groups() ->
     assert index.held_nbytes == held - 5 * 4096
 
 
-def test_take_for_disk_punches_rows_found_by_lseek_after_those_that_hold_blocks() -> None:
-    """Rows found at open without data by lseek (``unsure``) may hold their blocks (tmpfs:
-    allocated, never written): they count as punched, yet the free-row step takes them,
-    after rows known to hold blocks and never a row known to be punched or in ``skip``."""
-    index = RowIndex({0: 4096, 1: 4096}, 64 * 4096, {0: 8, 1: 8}, {0: 8, 1: 8})
-    row = [RowRef(0, 0, i) for i in range(8)]
-    key = OffloadKey(b"k", 0)
-    index.rebuild(
-        {(0, 0): (8, 8)}, [(row[0], key, 0, 1, 1)], holes=row[3:], unsure=[*row[5:], row[0]]
-    )
-    assert index.held_nbytes == 3 * 4096  # row 0 (a key), rows 1 and 2
-    assert index._unsure == set(row[5:])  # row 0 is a key's, not free: not unsure
-    got = index.take_for_disk(1, 3 * 4096, set(), keys=False, skip={row[1]})
-    assert got == [row[2], row[5], row[6]]  # blocks first, then unsure; never 3, 4 (punched)
-    assert index._unsure == {row[7]}
-    assert index.held_nbytes == 2 * 4096  # row 2 counts as punched now; 5, 6 already did
-    index.reclaimed(got, punched=True)
-    assert index._unsure == {row[7]}
-    assert index.take_for_disk(1, 4096, set(), keys=False, skip={row[1]}) == [row[7]]
-    assert index.take_for_disk(1, 4096, set(), keys=False, skip={row[1]}) == []
-    assert index.take_free(0) == row[1]
-    assert index.lru_keys() == [key]
-
-
 def _put(index: RowIndex, key: OffloadKey, protect: set[OffloadKey]) -> RowRef | None:
     """Reserve, take a row (growing), publish ``key``; the evicted row handed over, if any."""
     ok, own = index.reserve(key.group_id, protect)
