@@ -505,10 +505,14 @@ async def _take_row(
                         tier.directory,
                         exc,
                     )
-                if (ref := await _on_full_disk(tier, job, protect, tried)) is not None:
+                errors: list[Exception] = []
+                ref = await _on_full_disk(tier, job, protect, tried, errors)
+                if ref is not None:
                     if ref is _RETRY:
                         continue
                     return ref
+                if errors:  # a growth after a punch failed otherwise: that error, not ENOSPC
+                    exc = errors[-1]
             if job.reserved:
                 index.unreserve(group_id)
             return as_storage_error(exc, f"cannot grow the segments of group {group_id}")
@@ -563,7 +567,11 @@ before the lock was taken (growth ahead, say) may take what the first round free
 
 
 async def _on_full_disk(
-    tier: NVMeTier, job: WriteJob, protect: Container[OffloadKey], tried: set[str]
+    tier: NVMeTier,
+    job: WriteJob,
+    protect: Container[OffloadKey],
+    tried: set[str],
+    errors: list[Exception],
 ) -> RowRef | None:
     """A row of ``job``'s group cannot grow: the filesystem is full (ENOSPC, EDQUOT).
 
@@ -582,6 +590,14 @@ async def _on_full_disk(
        evicted. Skipped where holes cannot be punched, and once punching
        keys gave no room ``_PUNCH_MISSES`` times in a row, until an
        allocation succeeds again.
+
+    Args:
+        tier: the tier.
+        job: the write (its group's segment lock is held).
+        protect: keys never evicted (those of the job's batch).
+        tried: what was done for this row already (updated).
+        errors: gets the error of a growth after a punch that failed
+            otherwise than with ENOSPC or EDQUOT (the job fails with it).
 
     Returns:
         A row for the job (its group's key's, now the job's reservation),
@@ -602,10 +618,12 @@ async def _on_full_disk(
         return None
     tried.add("punch")
     async with tier._punch_lock:  # the blocks punched for a row are that row's
-        return _RETRY if await _punch_for_row(tier, group_id, protect) else None
+        return _RETRY if await _punch_for_row(tier, group_id, protect, errors) else None
 
 
-async def _punch_for_row(tier: NVMeTier, group_id: int, protect: Container[OffloadKey]) -> bool:
+async def _punch_for_row(
+    tier: NVMeTier, group_id: int, protect: Container[OffloadKey], errors: list[Exception]
+) -> bool:
     """Punch rows of other groups until one row of ``group_id`` fits, and grow it by that row.
 
     The caller holds the group's segment lock and ``tier._punch_lock`` (so
@@ -623,6 +641,13 @@ async def _punch_for_row(tier: NVMeTier, group_id: int, protect: Container[Offlo
     (``tier._punch_frees``) until a growth or a punched row's allocation
     succeeds (:func:`_grow_step`, :func:`_fill_hole`).
 
+    Args:
+        tier: the tier.
+        group_id: the writer's group.
+        protect: keys never evicted (those of the writer's batch).
+        errors: gets the error of a growth that failed otherwise than with
+            ENOSPC or EDQUOT (the rounds stop there).
+
     Returns:
         Whether the group grew by a row.
     """
@@ -635,7 +660,7 @@ async def _punch_for_row(tier: NVMeTier, group_id: int, protect: Container[Offlo
             break
         skip.update(refs)
         await _blank(tier, refs, punch=True)
-        if (grew := await _grow_row(tier, group_id)) is not None:
+        if (grew := await _grow_row(tier, group_id, errors)) is not None:
             return grew
     for _ in range(_KEY_ROUNDS):
         # a page more than the row: a growth may need a block for the file's extent tree
@@ -643,7 +668,7 @@ async def _punch_for_row(tier: NVMeTier, group_id: int, protect: Container[Offlo
         if not refs:
             return False
         await _blank(tier, refs, punch=True)
-        if (grew := await _grow_row(tier, group_id)) is not None:
+        if (grew := await _grow_row(tier, group_id, errors)) is not None:
             return grew
     _punch_missed(tier)
     return False
@@ -662,22 +687,24 @@ def _punch_missed(tier: NVMeTier) -> None:
         )
 
 
-async def _grow_row(tier: NVMeTier, group_id: int) -> bool | None:
+async def _grow_row(tier: NVMeTier, group_id: int, errors: list[Exception]) -> bool | None:
     """Grow a group by one row after a punch (the caller holds its segment lock).
 
     Returns:
         True: it grew. None: the filesystem is still full (punching more may
-        help). False: punching more would not help (the growth failed
-        otherwise than with ENOSPC or EDQUOT, or holes cannot be punched here).
+        help). False: punching more would not help: holes cannot be punched
+        here, or the growth failed otherwise than with ENOSPC or EDQUOT (its
+        error is appended to ``errors``).
     """
     async with _claim_growth(tier, group_id):
         exc, _ = await _grow_step(tier, group_id, max_rows=1)
     if exc is None:
         tier._ahead_paused.discard(group_id)
         return True
-    if storage_error_kind(exc) != "enospc" or not tier._can_punch:
+    if storage_error_kind(exc) != "enospc":
+        errors.append(exc)
         return False
-    return None
+    return None if tier._can_punch else False
 
 
 async def _fill_hole(tier: NVMeTier, ref: RowRef) -> Exception | None:
