@@ -441,6 +441,7 @@ async def _grow_step(
         del tier._growing[group_id]
         in_flight.set_result(None)
     index.commit_growth(plan)
+    tier._ahead_paused.discard(group_id)  # grew: growth ahead may run again
     tier._punch_frees, tier._punch_misses = True, 0  # room again: punching may help again
     return None, plan.stop - plan.start
 
@@ -545,8 +546,6 @@ async def _allocate(tier: NVMeTier, job: WriteJob) -> RowRef | Exception | None:
         exc, rows = await _grow_step(tier, group_id, max_rows=one)
     if exc is not None and rows > 1 and storage_error_kind(exc) == "enospc":
         exc, _ = await _grow_step(tier, group_id, max_rows=1)  # a step did not fit: a row may
-    if exc is None:
-        tier._ahead_paused.discard(group_id)
     return exc
 
 
@@ -699,7 +698,6 @@ async def _grow_row(tier: NVMeTier, group_id: int, errors: list[Exception]) -> b
     async with _claim_growth(tier, group_id):
         exc, _ = await _grow_step(tier, group_id, max_rows=1)
     if exc is None:
-        tier._ahead_paused.discard(group_id)
         return True
     if storage_error_kind(exc) != "enospc":
         errors.append(exc)
