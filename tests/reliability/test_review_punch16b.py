@@ -41,12 +41,13 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import json
 import os
 import pathlib
 import random
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
@@ -155,6 +156,37 @@ def _check_found(
     return ok
 
 
+async def _open16b(root: pathlib.Path, groups: dict[int, int]) -> tuple[NVMeTier, _Rig16b]:
+    """A tier (capacity_bytes 16 MiB) with this review's rig; the rig."""
+    holder: list[_Rig16b] = []
+    tier = await _open(root, groups, capacity_bytes=16 << 20, row_io_wrapper=_rig16b(holder))
+    return tier, holder[0]
+
+
+def _call_keys(
+    rng: random.Random,
+    salt: dict[OffloadKey, int],
+    g: int,
+    rewrite: float,
+    fresh: Callable[[int], OffloadKey],
+) -> list[OffloadKey]:
+    """One to three keys of group ``g`` for one write_rows call, none twice.
+
+    Each is, with probability ``rewrite``, a key written before (its salt
+    bumped: new bytes), else ``fresh(g)``, a new key whose salt it records.
+    """
+    keys: list[OffloadKey] = []
+    for _ in range(rng.randint(1, 3)):
+        old = [k for k in salt if k.group_id == g and k not in keys]
+        if old and rng.random() < rewrite:
+            k = rng.choice(old)
+            salt[k] += 1
+        else:
+            k = fresh(g)
+        keys.append(k)
+    return keys
+
+
 # ====================================================================== bugs
 
 
@@ -238,21 +270,13 @@ async def test_many_groups_with_growth_ahead_on_a_filling_and_freeing_filesystem
         tier = await _open(root, ALL, capacity_bytes=1 << 20, grow_ahead=True)
         assert all(not tier._index.segments(g) for g in ALL if g != A)  # keyless, no rows
         kinds: list[str | None] = []
-        n = 0
+        names = itertools.count()
         for rnd in range(14):
             calls = []
             for c, g in enumerate(ALL):
-                keys: list[OffloadKey] = []
-                for _ in range(rng.randint(1, 3)):
-                    old = [k for k in salt if k.group_id == g and k not in keys]
-                    if old and rng.random() < 0.25:
-                        k = rng.choice(old)
-                        salt[k] += 1
-                        written[k].add(salt[k])
-                    else:
-                        k = new(f"r{n}", g)
-                        n += 1
-                    keys.append(k)
+                keys = _call_keys(rng, salt, g, 0.25, lambda g: new(f"r{next(names)}", g))
+                for k in keys:
+                    written[k].add(salt[k])
                 calls.append(tier.write_rows(_rows(buf, keys, salt, first=4 * c)))
             resident = list(tier.keys())
             reads = rng.sample(resident, min(6, len(resident)))
@@ -294,12 +318,9 @@ async def test_an_eio_of_the_growth_inside_a_punch_round_stops_the_rounds(tmpfs,
     the row does not count as a punch that gave no room, no segment file of B is left,
     and the index adds up. The fault gone, B's next row punches again and is stored; a
     reopen finds every key left with its bytes."""
-    mnt = tmpfs(FS)
-    root = mnt / "nvme"
-    holder: list[_Rig16b] = []
+    root = tmpfs(FS) / "nvme"
     groups = {A: NB[A], B: NB[B]}
-    tier = await _open(root, groups, capacity_bytes=16 << 20, row_io_wrapper=_rig16b(holder))
-    rig = holder[0]
+    tier, rig = await _open16b(root, groups)
     buf = slots(2, SLOT)
     try:
         held_a = await _fill_with_a(tier, buf)
@@ -336,12 +357,9 @@ async def test_an_eio_of_the_trailer_write_after_a_failed_punch_never_gives_wron
     evicted key whose row could not be blanked may come back, documented), no more valid
     rows than the filesystem could hold, and A's next rows reuse the rows that kept their
     blocks."""
-    mnt = tmpfs(FS)
-    root = mnt / "nvme"
-    holder: list[_Rig16b] = []
+    root = tmpfs(FS) / "nvme"
     groups = {A: NB[A], B: NB[B]}
-    tier = await _open(root, groups, capacity_bytes=16 << 20, row_io_wrapper=_rig16b(holder))
-    rig = holder[0]
+    tier, rig = await _open16b(root, groups)
     buf = slots(2, SLOT)
     written = {}
     try:
@@ -446,6 +464,13 @@ async def _crash_child(root: str, log_path: str) -> None:
         def logged(k: OffloadKey) -> None:
             log.write(json.dumps([k.block_hash.decode(), k.group_id, salt[k]]) + "\n")
 
+        def fresh(g: int) -> OffloadKey:
+            nonlocal n
+            k = _key(f"{os.getpid()}-{n}", g)
+            n += 1
+            salt[k] = 0
+            return k
+
         while tier.stats()["disk_full_evictions"] == 0:
             k = _key(f"{os.getpid()}-a{n}", A)
             n += 1
@@ -460,17 +485,8 @@ async def _crash_child(root: str, log_path: str) -> None:
         while True:
             calls = []
             for c, g in enumerate(CRASH_GROUPS):
-                keys: list[OffloadKey] = []
-                for _ in range(rng.randint(1, 3)):
-                    old = [k for k in salt if k.group_id == g and k not in keys]
-                    if old and rng.random() < 0.2:
-                        k = rng.choice(old)
-                        salt[k] += 1
-                    else:
-                        k = _key(f"{os.getpid()}-{n}", g)
-                        n += 1
-                        salt[k] = 0
-                    keys.append(k)
+                keys = _call_keys(rng, salt, g, 0.2, fresh)
+                for k in keys:
                     logged(k)
                 calls.append(tier.write_rows(_rows(buf, keys, salt, first=4 * c)))
             log.flush()
