@@ -488,7 +488,7 @@ async def _take_row(
                 continue
             # Once the filesystem was full, allocations wait for a row that punches rows
             # of other groups for room (_punch_for_row), which would lose them otherwise.
-            serial = tier._punch_lock if tier._disk_full_logged else contextlib.nullcontext()
+            serial = tier._punch_lock if tier._disk_was_full else contextlib.nullcontext()
             async with serial:
                 got = await _allocate(tier, job)
             if isinstance(got, RowRef):
@@ -497,8 +497,8 @@ async def _take_row(
                 continue
             exc = got
             if storage_error_kind(exc) == "enospc":  # or EDQUOT
-                if not tier._disk_full_logged:
-                    tier._disk_full_logged = True
+                if not tier._disk_was_full:
+                    tier._disk_was_full = True
                     log.warning(
                         "kvtier: the filesystem of %s is full below capacity_bytes (%s): "
                         "new rows now reuse the rows of their group's least recently "

@@ -258,7 +258,9 @@ class NVMeTier:
         self._counts.update(invalid_rows_at_open=0, invalid_segments_at_open=0)
         self._counts.update(read_requests=0, write_requests=0, direct_io_fallback=0)
         self._counts.update(reclaim_failures=0)
-        self._disk_full_logged = False  # warned once that the filesystem filled up
+        # The filesystem filled up below capacity_bytes once (warned once): from then
+        # on, on-demand allocations wait for the punch lock (_batches._take_row).
+        self._disk_was_full = False
 
     # -- sizes ------------------------------------------------------------------
 

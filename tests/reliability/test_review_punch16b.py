@@ -8,7 +8,7 @@ held, ``_batches._on_full_disk`` -> ``_batches._punch_for_row``): up to four
 rounds of their free rows (``RowIndex.take_for_disk(keys=False, skip=...)``,
 rows found "unsure" at open by ``lseek`` last), each followed by a one-row
 growth (``_grow_row``), then up to two rounds of their least recently used
-keys. Once the filesystem was seen full (``tier._disk_full_logged``) every
+keys. Once the filesystem was seen full (``tier._disk_was_full``) every
 on-demand allocation (``_batches._allocate``: fill a punched row, or grow)
 runs under that lock too. Background growth ahead (``_grow_ahead``) does not.
 At open, rows the extents do not cover whole count as punched; where FIEMAP is
