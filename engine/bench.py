@@ -1123,6 +1123,19 @@ async def _run_phases(
     }
 
 
+def _ms(value: float | None) -> str:
+    """A latency cell: milliseconds with three decimals, empty when not measured."""
+    return "" if value is None else f"{value:.3f}"
+
+
+def _size(nbytes: int) -> str:
+    """``nbytes`` in the largest binary unit that keeps it at 1 or more (``"256 MiB"``)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.4g} {unit}"
+    return f"{nbytes} bytes"
+
+
 def format_table(result: dict[str, Any]) -> Any:
     """A rich Table of the phases."""
     from rich.table import Table
@@ -1136,7 +1149,7 @@ def format_table(result: dict[str, Any]) -> Any:
         f"{cfg['repeat']} repeat{'s' if cfg['repeat'] != 1 else ' (single samples: noisy)'}"
     )
     if moved > cfg["size_bytes"]:  # the data set holds at least one chunk per group
-        caption += f"; above --size {cfg['size_bytes'] / 2**20:.0f} MiB: one chunk per group"
+        caption += f"; above --size {_size(cfg['size_bytes'])}: one chunk per group"
     table = Table(
         title=f"kvtier bench - {escape(result['layout']['name'])} ({result['machine']['device']})",
         caption=caption,
@@ -1150,8 +1163,8 @@ def format_table(result: dict[str, Any]) -> Any:
             table.add_row(
                 name if first else "",
                 f"{p['gbps']:.2f}" if first else "",
-                str(p.get("p50_ms", "")) if first else "",
-                str(p.get("p99_ms", "")) if first else "",
+                _ms(p.get("p50_ms")) if first else "",
+                _ms(p.get("p99_ms")) if first else "",
                 f"{b}: {p[f'{b}_gbps']:.2f}" if b else "",
                 f"{p[f'ratio_vs_{b}']:.2f}x" if b and p.get(f"ratio_vs_{b}") else "",
             )
@@ -1193,7 +1206,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     width = 0.8 / len(series)
     for i, (label, vals) in enumerate(series.items()):
         ax.bar([x + i * width for x in range(len(names))], vals, width, label=label)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names, rotation=20, ha="right")
     ax.set_ylabel("GB/s")
     ax.set_title(f"kvtier bench: {result['layout']['name']}")
     ax.legend()

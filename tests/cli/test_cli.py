@@ -69,6 +69,9 @@ def test_bench_tiny_size_reports_every_phase_and_cleans_up(tmp_path: Path, layou
     for p in phases.values():
         assert p["gbps"] > 0
         assert p["p99_ms"] >= p["p50_ms"] > 0, p
+        # the table prints every latency with three decimals (its columns line up)
+        assert f"{p['p50_ms']:.3f}" in res.stdout
+        assert f"{p['p99_ms']:.3f}" in res.stdout
     for name in ("nvme_write", "nvme_write_e2e", "nvme_read"):
         assert phases[name]["ratio_vs_raw_sequential"] > 0
         assert phases[name]["raw_checksummed_gbps"] > 0
@@ -383,3 +386,13 @@ def test_bench_stopped_by_sigterm_removes_its_directory(tmp_path: Path, moment: 
     assert "Aborted!" in err.decode()
     assert "Traceback" not in err.decode()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_table_caption_names_a_size_below_one_mib_in_kib() -> None:
+    from kvtier.bench import _size
+
+    assert _size(1024) == "1 KiB"  # was "0 MiB" in the caption of `--size 1K`
+    assert _size(1536) == "1.5 KiB"
+    assert _size(24 << 20) == "24 MiB"
+    assert _size(3 << 30) == "3 GiB"
+    assert _size(100) == "100 bytes"
