@@ -90,6 +90,28 @@ class _Load:
     finished: asyncio.Future[None]
 
 
+@dataclass(eq=False)
+class _LoadTurn:
+    """A load call that waits before it submits its copies (a store in flight, a promotion).
+
+    Later load calls that write any of its GPU pages wait for ``submitted``
+    before they submit theirs, so that jobs reach the copy executor in call
+    order and the later call's bytes are the ones left (:meth:`TransferEngine.load`).
+
+    Attributes:
+        pages: ``(group_id, block_id)`` of the blocks the call writes, for groups
+            that share no memory with another group.
+        classes: alias classes of the call's groups that share memory with
+            another group (every block of such a class counts as touched).
+        submitted: set once the call's copies were submitted, or once it
+            ended without submitting any.
+    """
+
+    pages: set[tuple[int, int]]
+    classes: set[int]
+    submitted: asyncio.Future[None]
+
+
 async def _uninterrupted(fut: asyncio.Future[Any]) -> None:
     """Wait until ``fut`` is done, even if the waiting task is cancelled again."""
     while not fut.done():
@@ -218,6 +240,8 @@ class TransferEngine:
         # A future per direction while a flush of pending calls is scheduled.
         self._flushing: dict[Direction, asyncio.Future[None] | None] = {"store": None, "load": None}
         self._ready: dict[OffloadKey, asyncio.Future[bool]] = {}
+        # Load calls that wait before they submit: later loads of their pages wait for them.
+        self._load_turns: list[_LoadTurn] = []
         self._tasks: set[asyncio.Future[Any]] = set()
         self._close_task: asyncio.Task[None] | None = None
         # While start() runs: its end (set once it returned or raised), and
@@ -879,6 +903,13 @@ class TransferEngine:
         their own bytes, never other bytes. Loads issued in the same
         event-loop iteration are coalesced into one job.
 
+        Calls that write the same GPU bytes land in call order (the later
+        call's bytes are left): a call into a block that an earlier call,
+        still waiting for its store in flight or its promotion, also writes
+        waits for that call before it copies. Loads and stores are not
+        ordered against each other (await one before the other touches the
+        same blocks).
+
         Cancellation: when ``load`` raises ``CancelledError``, nothing writes
         its GPU blocks any more, so they may be reused at once. A copy not yet
         handed to a copy thread is withdrawn; one already running is waited
@@ -919,7 +950,8 @@ class TransferEngine:
                 not_stored[chunk.key] = exc
                 self._c.misses += 1
         chunks = [c for c in chunks if c.key not in not_stored] if not_stored else chunks
-        if not self._must_wait(chunks):
+        turn = self._take_turn(chunks)
+        if turn is None:
             # Fast path: every key is resident or a miss; no task, and a
             # cancelled caller leaves the unpinning to the copy's completion.
             pinned, failed = self._pin_resident(chunks)
@@ -934,7 +966,9 @@ class TransferEngine:
                     await _uninterrupted(pending.finished)
                 raise
         ctx = _Ctx()
-        task = asyncio.ensure_future(self._load(chunks, ctx, after))
+        task = asyncio.ensure_future(self._load(chunks, ctx, after, turn))
+        # However the task ends (even cancelled before its first step), its turn ends.
+        task.add_done_callback(lambda _: self._end_turn(turn[0]))
         self._track(task)
         try:
             result = await asyncio.shield(task)
@@ -1044,6 +1078,46 @@ class TransferEngine:
         pending.remove(call)
         _finish_calls([call], [asyncio.CancelledError()])
         return True
+
+    def _take_turn(self, chunks: list[Chunk]) -> tuple[_LoadTurn, list[_LoadTurn]] | None:
+        """Queue a load call behind earlier waiting loads of its GPU pages, if it must wait.
+
+        A call waits (and is registered as a :class:`_LoadTurn`) when one of
+        its keys has a store or promotion in flight or must be promoted, or
+        when an earlier load call that writes one of its GPU pages is still
+        waiting: its copies must reach the executor after that call's.
+
+        Returns:
+            ``None`` when the call can submit at once, else its turn and the
+            earlier turns it waits for.
+        """
+        must_wait = self._must_wait(chunks)
+        if not must_wait and not self._load_turns:
+            return None
+        pages: set[tuple[int, int]] = set()
+        classes: set[int] = set()
+        for chunk in chunks:
+            g = chunk.key.group_id
+            if self._alias_size[g] > 1:
+                classes.add(self._alias_class[g])
+            else:
+                pages.update((g, b) for b in chunk.block_ids)
+        ahead = [
+            t
+            for t in self._load_turns
+            if not t.pages.isdisjoint(pages) or not t.classes.isdisjoint(classes)
+        ]
+        if not ahead and not must_wait:
+            return None
+        turn = _LoadTurn(pages, classes, asyncio.get_running_loop().create_future())
+        self._load_turns.append(turn)
+        return turn, ahead
+
+    def _end_turn(self, turn: _LoadTurn) -> None:
+        """The call submitted its copies (or never will): later loads may submit theirs."""
+        if not turn.submitted.done():
+            self._load_turns.remove(turn)
+            turn.submitted.set_result(None)
 
     def _must_wait(self, chunks: list[Chunk]) -> bool:
         """A key of ``chunks`` has a store or promotion in flight, or must be promoted."""
@@ -1162,7 +1236,13 @@ class TransferEngine:
         if short is not None:
             raise short
 
-    async def _load(self, chunks: list[Chunk], ctx: _Ctx, after: Any) -> LoadResult:
+    async def _load(
+        self,
+        chunks: list[Chunk],
+        ctx: _Ctx,
+        after: Any,
+        turn: tuple[_LoadTurn, list[_LoadTurn]],
+    ) -> LoadResult:
         # Wait for stores / promotions in flight on these keys, again when
         # another call started one while we waited (else the key would read
         # as a miss); a cancelled caller waits for this task, so stop then.
@@ -1194,12 +1274,16 @@ class TransferEngine:
                     self._c.nvme_hits += 1
         if not pinned:
             return LoadResult((), failed)
+        ahead = [t.submitted for t in turn[1] if not t.submitted.done()]
+        if ahead:  # earlier loads of the same GPU pages submit first: the later call wins
+            await asyncio.wait(ahead)
         if ctx.cancelled:  # the caller is gone: copy nothing (not a load failure)
             for chunk in pinned:
                 self._pool.unpin(chunk.key)
                 failed[chunk.key] = asyncio.CancelledError()
             return LoadResult((), failed)
         pending = self._submit_load(pinned, failed, after)
+        self._end_turn(turn[0])
         await pending.finished
         return pending.result.result()
 

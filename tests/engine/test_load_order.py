@@ -1,0 +1,184 @@
+"""Load calls into the same GPU blocks land in call order, also when the earlier one waits.
+
+A load call whose key must first be promoted from NVMe (or whose store is in
+flight) submits its copies only after that wait. A later load call that writes
+one of its GPU blocks waits for it (``TransferEngine._take_turn``), so the later
+call's bytes are the ones left; a later call into other blocks does not wait.
+The promotion is held back through a real seam: a RowIO wrapper whose reads
+wait for an event (``NVMeConfig.row_io_wrapper``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import kvtier
+from tests.engine.helpers import fill_random, key
+from tests.io.faults import DelegatingRowIO
+
+
+class _GatedReads(DelegatingRowIO):
+    """Reads wait for ``gate`` once ``armed``; ``fail`` makes them raise EIO after it."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.armed = False
+        self.fail = False
+        self.gate = threading.Event()
+        self.reading = threading.Event()  # a read is waiting at the gate
+
+    def preadv(self, handle: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
+        if self.armed:
+            self.reading.set()
+            assert self.gate.wait(30), "the test never opened the gate"
+            if self.fail:
+                raise OSError(errno.EIO, "injected EIO")
+        return self.inner.preadv(handle, bufs, file_offset)
+
+
+class _Rig:
+    """One group of 16 blocks of 64 bytes; key ``x`` only on NVMe, key ``y`` in a CPU slot."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.t = torch.empty((16, 64), dtype=torch.uint8)
+        fill_random(self.t, 17)
+        self.layout = kvtier.KVLayout.from_tensors({0: {"kv": self.t}})
+        self.io: list[_GatedReads] = []
+        nvme = kvtier.NVMeConfig(
+            root=tmp_path,
+            capacity_bytes=1 << 24,
+            namespace="load-order",
+            row_io_wrapper=lambda inner: self.io.append(_GatedReads(inner)) or self.io[-1],
+        )
+        self.config = kvtier.EngineConfig(1 << 20, 1, nvme=nvme, copy_threads=2)
+        self.x, self.y = key("x", 0), key("y", 0)
+        self.x_bytes, self.y_bytes = self.t[1].clone(), self.t[2].clone()
+
+    async def engine(self) -> kvtier.TransferEngine:
+        """An open engine where ``x`` is on NVMe only and ``y`` in a CPU slot; reads gated."""
+        async with kvtier.TransferEngine(self.layout, self.config) as first:
+            await first.store([kvtier.Chunk(self.x, [1])], durable=True)
+        engine = await kvtier.TransferEngine(self.layout, self.config).start()
+        assert (await engine.store([kvtier.Chunk(self.y, [2])])).stored == (self.y,)
+        assert engine.lookup([self.x, self.y]) == [kvtier.Residency.NVME, kvtier.Residency.CPU]
+        self.io[-1].armed = True
+        return engine
+
+    async def x_is_reading(self) -> None:
+        """Return once the promotion of ``x`` waits at the gate."""
+        reading = self.io[-1].reading
+        for _ in range(3000):
+            if reading.is_set():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the promotion of x never read")
+
+
+async def test_a_later_load_into_the_same_block_waits_for_the_promotion_and_wins(
+    tmp_path: Path,
+) -> None:
+    rig = _Rig(tmp_path)
+    engine = await rig.engine()
+    try:
+        first = asyncio.ensure_future(engine.load([kvtier.Chunk(rig.x, [5])]))
+        second = asyncio.ensure_future(engine.load([kvtier.Chunk(rig.y, [5])]))
+        await rig.x_is_reading()
+        await asyncio.sleep(0.2)
+        # Without the turn the later (resident) call took the fast path and was done by now.
+        assert not second.done()
+        rig.io[-1].gate.set()
+        out = await asyncio.wait_for(asyncio.gather(first, second), 30)
+        assert [r.loaded for r in out] == [(rig.x,), (rig.y,)]
+        assert torch.equal(rig.t[5], rig.y_bytes)  # the later call's bytes are left
+        assert engine._load_turns == []
+    finally:
+        rig.io[-1].gate.set()
+        await engine.aclose()
+
+
+async def test_a_later_load_into_other_blocks_does_not_wait_for_the_promotion(
+    tmp_path: Path,
+) -> None:
+    rig = _Rig(tmp_path)
+    engine = await rig.engine()
+    try:
+        first = asyncio.ensure_future(engine.load([kvtier.Chunk(rig.x, [5])]))
+        await rig.x_is_reading()
+        out = await asyncio.wait_for(engine.load([kvtier.Chunk(rig.y, [6])]), 30)
+        assert out.loaded == (rig.y,)
+        assert torch.equal(rig.t[6], rig.y_bytes)
+        assert not first.done()  # still waiting for its row
+        rig.io[-1].gate.set()
+        assert (await asyncio.wait_for(first, 30)).loaded == (rig.x,)
+        assert torch.equal(rig.t[5], rig.x_bytes)
+        assert engine._load_turns == []
+    finally:
+        rig.io[-1].gate.set()
+        await engine.aclose()
+
+
+@pytest.mark.parametrize("how", ["cancelled", "read_failed"])
+async def test_an_earlier_load_that_copies_nothing_lets_the_later_one_through(
+    tmp_path: Path, how: str
+) -> None:
+    rig = _Rig(tmp_path)
+    engine = await rig.engine()
+    try:
+        before = rig.t[5].clone()
+        first = asyncio.ensure_future(engine.load([kvtier.Chunk(rig.x, [5])]))
+        second = asyncio.ensure_future(engine.load([kvtier.Chunk(rig.y, [5])]))
+        await rig.x_is_reading()
+        if how == "cancelled":
+            first.cancel()
+        else:
+            rig.io[-1].fail = True
+        await asyncio.sleep(0.05)
+        assert not second.done()  # the promotion of x is still in flight
+        rig.io[-1].gate.set()
+        assert (await asyncio.wait_for(second, 30)).loaded == (rig.y,)
+        if how == "cancelled":
+            with pytest.raises(asyncio.CancelledError):
+                await first
+        else:
+            out = await first
+            assert out.loaded == ()
+            assert set(out.failed) == {rig.x}
+        assert not torch.equal(before, rig.y_bytes)
+        assert torch.equal(rig.t[5], rig.y_bytes)
+        assert engine._load_turns == []
+    finally:
+        rig.io[-1].gate.set()
+        await engine.aclose()
+
+
+async def test_three_calls_into_one_block_land_in_call_order(tmp_path: Path) -> None:
+    """x (NVMe), then y, then z, all into block 5: each waits for the call before it."""
+    rig = _Rig(tmp_path)
+    engine = await rig.engine()
+    try:
+        calls = [
+            asyncio.ensure_future(engine.load([kvtier.Chunk(rig.x, [5])])),
+            asyncio.ensure_future(engine.load([kvtier.Chunk(rig.y, [5])])),
+        ]
+        await rig.x_is_reading()
+        z = key("z", 0)
+        assert (await engine.store([kvtier.Chunk(z, [3])])).stored == (z,)
+        calls.append(asyncio.ensure_future(engine.load([kvtier.Chunk(z, [5])])))
+        await asyncio.sleep(0.1)
+        assert not any(c.done() for c in calls)
+        rig.io[-1].gate.set()
+        out = await asyncio.wait_for(asyncio.gather(*calls), 30)
+        assert [r.loaded for r in out] == [(rig.x,), (rig.y,), (z,)]
+        assert torch.equal(rig.t[5], rig.t[3])  # the last call's bytes
+        assert engine._load_turns == []
+    finally:
+        rig.io[-1].gate.set()
+        await engine.aclose()
