@@ -290,6 +290,7 @@ def run_plan(
     plan: Sequence[ChunkCopy],
     direction: Direction,
     aliasing: dict[frozenset[int], _Aliasing] | None = None,
+    in_order: bool = False,
 ) -> None:
     """Execute a job's copies synchronously (worker thread or CUDA stream context).
 
@@ -302,12 +303,23 @@ def run_plan(
         plan: the chunk copies.
         direction: ``"store"`` (GPU blocks -> slots) or ``"load"`` (slots -> GPU blocks).
         aliasing: the caller's cache for :func:`_pages_written_twice` (one per engine).
+        in_order: CPU path: a load whose chunks write a GPU page twice
+            (:func:`_pages_written_twice`), copied chunk by chunk in plan
+            order so that the later chunk wins. Not with one NumPy call for
+            chunks in consecutive slots (:func:`_load_run`): NumPy does not
+            say in which order an assignment through repeated indices
+            writes ("there is in general no guarantee for the iteration
+            order", its indexing docs).
     """
     store = direction == "store"
     if plan and plan[0].host is not None:
         if store:
             for copy in plan:
                 _run_host(copy, True)
+            return
+        if in_order:
+            for copy in plan:
+                _run_host(copy, False)
             return
         for i, j in _slot_runs(plan):
             if j - i > 1:
@@ -630,7 +642,7 @@ class _HostJob:
     the job, and the threads end within one unit of each other.
     """
 
-    __slots__ = ("done", "error", "loop", "next_unit", "remaining", "units")
+    __slots__ = ("done", "error", "in_order", "loop", "next_unit", "remaining", "units")
 
     def __init__(
         self,
@@ -638,8 +650,10 @@ class _HostJob:
         workers: int,
         loop: asyncio.AbstractEventLoop,
         done: JobDone,
+        in_order: bool = False,
     ) -> None:
         self.units = units
+        self.in_order = in_order  # one unit, chunk by chunk (run_plan)
         self.next_unit = itertools.count()
         self.remaining = workers
         self.error: BaseException | None = None
@@ -703,11 +717,12 @@ class CopyExecutor:
         if self._pool is None:
             self._submit_cuda(plan, loop, done, after)  # pragma: no cover - CUDA hosts only
             return
-        if self.direction == "load" and _pages_written_twice(plan, self._aliasing):
+        in_order = self.direction == "load" and _pages_written_twice(plan, self._aliasing)
+        if in_order:
             units: list[Sequence[ChunkCopy]] = [plan]  # one thread, in plan order: later wins
         else:
             units = _units(plan, self._threads)
-        job = _HostJob(units, min(self._threads, len(units)), loop, done)
+        job = _HostJob(units, min(self._threads, len(units)), loop, done, in_order)
         with self._lock:
             if self._running:
                 self._queue.append(job)
@@ -725,7 +740,10 @@ class CopyExecutor:
         units = job.units
         while (i := next(job.next_unit)) < len(units):
             try:
-                run_plan(units[i], self.direction)
+                if job.in_order:
+                    run_plan(units[i], self.direction, in_order=True)
+                else:
+                    run_plan(units[i], self.direction)
             except Exception as exc:
                 if error is None:
                     error = TransferError(

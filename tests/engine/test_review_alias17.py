@@ -23,11 +23,12 @@ threads last unit first (``_units`` reversed): an overlap that the analysis
 missed then leaves the EARLIER call's bytes. Checked to fail with
 ``_pages_written_twice`` forced to ``False`` while this file was written.
 
-Held, with one caveat: full chunks in consecutive slots are scattered by ONE
-NumPy assignment (``_load_run``), so two calls of a job into the same block
-keep call order only because NumPy assigns repeated fancy indices in index
-order, which its documentation does not promise (NumPy 2.4 does; see
-``test_consecutive_slots_loaded_into_one_block_by_several_calls``).
+Held, with one caveat (since fixed): full chunks in consecutive slots were
+scattered by ONE NumPy assignment (``_load_run``), so two calls of a job into
+the same block kept call order only because NumPy assigns repeated fancy
+indices in index order, which its documentation does not promise (NumPy 2.4
+does). A load job that writes a page twice is now copied chunk by chunk
+(``test_consecutive_slots_loaded_into_one_block_by_several_calls``).
 
 Registration refuses none of the cross-group sharing tried here; it refuses
 (``LayoutError``) layers of ONE group that share a byte, which the random
@@ -632,7 +633,12 @@ async def test_packed_groups_load_the_same_block_ids_in_one_call() -> None:
 
 
 async def test_consecutive_slots_loaded_into_one_block_by_several_calls() -> None:
-    """Full chunks in consecutive slots: ONE NumPy scatter (``_load_run``), later still wins."""
+    """Full chunks in consecutive slots that write one block: chunk by chunk, later wins.
+
+    Written while ``_load_run`` scattered them with ONE NumPy assignment, where
+    call order held only because NumPy assigns repeated indices in order (not
+    documented); such a job is now copied chunk by chunk (``run_plan(in_order=True)``).
+    """
     m = _case_kv_first_and_k_half()
     layout = m.layout()
     ref = Reference(m)
@@ -660,7 +666,7 @@ async def test_consecutive_slots_loaded_into_one_block_by_several_calls() -> Non
             out = await asyncio.gather(*(engine.load(c) for c in calls))
             assert all(not r.failed for r in out)
             assert engine.stats().load_jobs == 1
-    assert runs == [5]  # one scatter of the five chunks, duplicates included
+    assert runs == []  # no one-call scatter over repeated block ids
     assert np.array_equal(m.mem, expect), diff(m.mem, expect)
 
 

@@ -792,11 +792,11 @@ def test_numpy_path_with_two_copy_threads_keeps_the_later_load_into_a_block() ->
     real = transfer.run_plan
     b_done = threading.Event()
 
-    def run_plan(plan: Any, direction: str) -> None:
+    def run_plan(plan: Any, direction: str, **kw: Any) -> None:
         if direction == "load" and plan[0].block_ids == (5,) and plan[0].slot == slot_a:
             units.append(len(plan))
             b_done.wait(0.5)  # no other unit sets it: both loads are in this one
-        real(plan, direction)
+        real(plan, direction, **kw)
         if direction == "load" and plan[0].slot != slot_a:
             b_done.set()
 
