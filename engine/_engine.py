@@ -99,17 +99,24 @@ class _LoadTurn:
     order and the later call's bytes are the ones left (:meth:`TransferEngine.load`).
 
     Attributes:
-        pages: ``(group_id, block_id)`` of the blocks the call writes, for groups
-            that share no memory with another group.
+        pages: ``{group_id: block ids}`` the call writes, for groups that
+            share no memory with another group.
         classes: alias classes of the call's groups that share memory with
             another group (every block of such a class counts as touched).
         submitted: set once the call's copies were submitted, or once it
             ended without submitting any.
     """
 
-    pages: set[tuple[int, int]]
+    pages: dict[int, set[int]]
     classes: set[int]
     submitted: asyncio.Future[None]
+
+    def overlaps(self, pages: dict[int, set[int]], classes: set[int]) -> bool:
+        """Whether a call writing ``pages`` and ``classes`` may write bytes this one writes."""
+        if not self.classes.isdisjoint(classes):
+            return True
+        mine = self.pages
+        return any(g in mine and not mine[g].isdisjoint(ids) for g, ids in pages.items())
 
 
 async def _uninterrupted(fut: asyncio.Future[Any]) -> None:
@@ -1094,19 +1101,17 @@ class TransferEngine:
         must_wait = self._must_wait(chunks)
         if not must_wait and not self._load_turns:
             return None
-        pages: set[tuple[int, int]] = set()
+        pages: dict[int, set[int]] = {}
         classes: set[int] = set()
         for chunk in chunks:
             g = chunk.key.group_id
             if self._alias_size[g] > 1:
                 classes.add(self._alias_class[g])
+            elif g in pages:
+                pages[g].update(chunk.block_ids)
             else:
-                pages.update((g, b) for b in chunk.block_ids)
-        ahead = [
-            t
-            for t in self._load_turns
-            if not t.pages.isdisjoint(pages) or not t.classes.isdisjoint(classes)
-        ]
+                pages[g] = set(chunk.block_ids)
+        ahead = [t for t in self._load_turns if t.overlaps(pages, classes)]
         if not ahead and not must_wait:
             return None
         turn = _LoadTurn(pages, classes, asyncio.get_running_loop().create_future())
