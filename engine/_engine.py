@@ -17,7 +17,15 @@ import torch
 from kvtier._config import EngineConfig
 from kvtier._policy import make_policy
 from kvtier._slots import HostRegion, SlotEntry, SlotPool, SlotState
-from kvtier._transfer import ChunkCopy, CopyExecutor, Direction, HostPiece, host_pieces, piece_specs
+from kvtier._transfer import (
+    ChunkCopy,
+    CopyExecutor,
+    Direction,
+    HostPiece,
+    aliasing_labels,
+    host_pieces,
+    piece_specs,
+)
 from kvtier._types import (
     Chunk,
     EngineStats,
@@ -99,10 +107,11 @@ class _LoadTurn:
     order and the later call's bytes are the ones left (:meth:`TransferEngine.load`).
 
     Attributes:
-        pages: ``{group_id: block ids}`` the call writes, for groups that
-            share no memory with another group.
-        classes: alias classes of the call's groups that share memory with
-            another group (every block of such a class counts as touched).
+        pages: ``{label: block ids}`` the call writes; a label names the
+            groups whose blocks share bytes only at the same block id
+            (:func:`kvtier._transfer.aliasing_labels`).
+        classes: alias classes of the call's groups whose blocks may share
+            bytes at other block ids (every block of such a class counts).
         submitted: set once the call's copies were submitted, or once it
             ended without submitting any.
     """
@@ -128,9 +137,20 @@ async def _uninterrupted(fut: asyncio.Future[Any]) -> None:
 
 @dataclass
 class _Ctx:
-    """Set by the awaiting caller when it is cancelled."""
+    """Set by the awaiting caller when it is cancelled.
+
+    ``woken`` (made by the caller) is set then too, so that a wait for
+    another call's turn ends at once.
+    """
 
     cancelled: bool = False
+    woken: asyncio.Future[None] | None = None
+
+    def cancel(self) -> None:
+        """The caller is gone: copy nothing more."""
+        self.cancelled = True
+        if self.woken is not None and not self.woken.done():
+            self.woken.set_result(None)
 
 
 @dataclass
@@ -238,6 +258,11 @@ class TransferEngine:
             g: sum(1 for c in self._alias_class.values() if c == cls)
             for g, cls in self._alias_class.items()
         }
+        # For load turns: groups whose blocks share bytes only at the same block id
+        # (one tensor in several groups, as vLLM's hybrid allocator shares them) get
+        # one label, and their pages compare by block id; None: the group's blocks
+        # may meet other block ids of its alias class (every block counts).
+        self._page_label = aliasing_labels(self._specs)
         self._state = "new"
         self._region: HostRegion | None = None
         self._host: dict[int, tuple[HostPiece, ...] | None] = {}
@@ -844,6 +869,16 @@ class TransferEngine:
         tracker: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._track(tracker)
         t0 = time.perf_counter()
+        executor = self._executors[direction]
+        # A failed load job of several calls is copied again call by call BEFORE the
+        # load jobs after it (the executor holds them until release()): a later call
+        # into the same blocks then still wins.
+        hold = direction == "load" and len(calls) > 1
+
+        def isolated(_: asyncio.Future[None]) -> None:
+            if hold:
+                executor.release()
+            tracker.set_result(None)
 
         def copied(error: BaseException | None) -> None:
             isolating = False
@@ -852,8 +887,8 @@ class TransferEngine:
                 if error is not None and len(calls) > 1:
                     # A failed job must fail only the calls whose own copies
                     # fail: copy each call again on its own (copies are idempotent).
-                    task = asyncio.ensure_future(self._isolate(direction, calls))
-                    task.add_done_callback(lambda _: tracker.set_result(None))
+                    task = asyncio.ensure_future(self._isolate(direction, calls, hold))
+                    task.add_done_callback(isolated)
                     self._track(task)
                     isolating = True
                     return
@@ -862,10 +897,20 @@ class TransferEngine:
                 log.exception("kvtier: finishing a %s job failed", direction)
             finally:
                 if not isolating:
+                    if hold and error is not None:
+                        executor.release()
                     tracker.set_result(None)
 
         after = [c.after for c in calls if c.after is not None]
-        self._executors[direction].submit(plan, copied, after)
+        try:
+            executor.submit(plan, copied, after, hold_on_error=hold)
+        except Exception as exc:  # a bug: fail the calls rather than leave them waiting
+            log.exception("kvtier: starting a %s job failed", direction)
+            err = TransferError(f"{direction} job of {len(plan)} chunks could not start: {exc}")
+            err.__cause__ = exc
+            self._count_job(direction, plan, 0.0, err)
+            _finish_calls(calls, [err] * len(calls))
+            tracker.set_result(None)
 
     def _count_job(
         self,
@@ -886,12 +931,17 @@ class TransferEngine:
             self._c.load_bytes += nbytes
             self._c.load_seconds += seconds
 
-    async def _isolate(self, direction: Direction, calls: list[_Call]) -> None:
+    async def _isolate(self, direction: Direction, calls: list[_Call], direct: bool) -> None:
+        """Copy each call of a failed job again on its own, in call order.
+
+        ``direct``: the executor holds the jobs after the failed one; these
+        copies go past them.
+        """
         errors: list[BaseException | None] = []
         for call in calls:
             try:
                 after = () if call.after is None else (call.after,)
-                await self._executors[direction].run(call.copies, after)
+                await self._executors[direction].run(call.copies, after, direct=direct)
                 errors.append(None)
             except TransferError as exc:
                 errors.append(exc)
@@ -972,7 +1022,7 @@ class TransferEngine:
                 if not self._withdraw("load", pending.call):
                     await _uninterrupted(pending.finished)
                 raise
-        ctx = _Ctx()
+        ctx = _Ctx(woken=asyncio.get_running_loop().create_future())
         task = asyncio.ensure_future(self._load(chunks, ctx, after, turn))
         # However the task ends (even cancelled before its first step), its turn ends.
         task.add_done_callback(lambda _: self._end_turn(turn[0]))
@@ -980,7 +1030,7 @@ class TransferEngine:
         try:
             result = await asyncio.shield(task)
         except asyncio.CancelledError:
-            ctx.cancelled = True
+            ctx.cancel()
             await _uninterrupted(task)  # it copies nothing more once it sees ``cancelled``
             raise
         if not_stored:
@@ -1101,22 +1151,28 @@ class TransferEngine:
         must_wait = self._must_wait(chunks)
         if not must_wait and not self._load_turns:
             return None
-        pages: dict[int, set[int]] = {}
-        classes: set[int] = set()
-        for chunk in chunks:
-            g = chunk.key.group_id
-            if self._alias_size[g] > 1:
-                classes.add(self._alias_class[g])
-            elif g in pages:
-                pages[g].update(chunk.block_ids)
-            else:
-                pages[g] = set(chunk.block_ids)
+        pages, classes = self._pages_of(chunks)
         ahead = [t for t in self._load_turns if t.overlaps(pages, classes)]
         if not ahead and not must_wait:
             return None
         turn = _LoadTurn(pages, classes, asyncio.get_running_loop().create_future())
         self._load_turns.append(turn)
         return turn, ahead
+
+    def _pages_of(self, chunks: list[Chunk]) -> tuple[dict[int, set[int]], set[int]]:
+        """The GPU pages ``chunks`` write: ``({label: block ids}, alias classes)``."""
+        pages: dict[int, set[int]] = {}
+        classes: set[int] = set()
+        for chunk in chunks:
+            g = chunk.key.group_id
+            label = self._page_label[g]
+            if label is None:
+                classes.add(self._alias_class[g])
+            elif label in pages:
+                pages[label].update(chunk.block_ids)
+            else:
+                pages[label] = set(chunk.block_ids)
+        return pages, classes
 
     def _end_turn(self, turn: _LoadTurn) -> None:
         """The call submitted its copies (or never will): later loads may submit theirs."""
@@ -1279,9 +1335,15 @@ class TransferEngine:
                     self._c.nvme_hits += 1
         if not pinned:
             return LoadResult((), failed)
-        ahead = [t.submitted for t in turn[1] if not t.submitted.done()]
-        if ahead:  # earlier loads of the same GPU pages submit first: the later call wins
-            await asyncio.wait(ahead)
+        # Earlier loads into the blocks this call copies to submit first, so the later
+        # call wins. Its keys stay pinned meanwhile: a key resident at the call is
+        # loaded (the earlier call's promotion cannot evict it). A cancelled caller
+        # stops waiting (it will copy nothing).
+        pages, classes = self._pages_of(pinned)
+        ahead = [t.submitted for t in turn[1] if t.overlaps(pages, classes)]
+        while not ctx.cancelled and (ahead := [f for f in ahead if not f.done()]):
+            assert ctx.woken is not None
+            await asyncio.wait([*ahead, ctx.woken], return_when=asyncio.FIRST_COMPLETED)
         if ctx.cancelled:  # the caller is gone: copy nothing (not a load failure)
             for chunk in pinned:
                 self._pool.unpin(chunk.key)

@@ -527,6 +527,28 @@ def _aliasing(groups: dict[int, tuple[PieceSpec, ...]]) -> _Aliasing:
     return label, mixed
 
 
+def aliasing_labels(specs: dict[int, tuple[PieceSpec, ...]]) -> dict[int, int | None]:
+    """Per group of a layout: a label shared by the groups that meet only at equal block ids.
+
+    From :func:`_aliasing` over all the groups (``{group_id: pieces}``): two
+    groups of one label write the same bytes only through the same block id
+    (one tensor registered in both, as vLLM's hybrid allocator shares a
+    tensor between groups), so their loads compare by ``(label, block id)``.
+    The label is a group id (the smallest of its groups). ``None`` for every
+    group of a label one of whose groups has a piece that shares bytes with
+    another at other block ids (one tensor with two block dims, other block
+    strides): any of its blocks may meet any block of its alias class.
+    """
+    group_of = {id(pieces): g for g, pieces in specs.items()}
+    label, mixed = _aliasing({id(pieces): pieces for pieces in specs.values()})
+    unsure = {label[sid] for sid, others in mixed.items() if others}
+    unsure |= {label[o] for others in mixed.values() for o in others}
+    return {
+        g: None if label[id(pieces)] in unsure else group_of[label[id(pieces)]]
+        for g, pieces in specs.items()
+    }
+
+
 def _device_ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
     """``ids`` as a ``long`` tensor on ``device``, built on the host and copied without blocking.
 
@@ -642,7 +664,17 @@ class _HostJob:
     the job, and the threads end within one unit of each other.
     """
 
-    __slots__ = ("done", "error", "in_order", "loop", "next_unit", "remaining", "units")
+    __slots__ = (
+        "direct",
+        "done",
+        "error",
+        "hold",
+        "in_order",
+        "loop",
+        "next_unit",
+        "remaining",
+        "units",
+    )
 
     def __init__(
         self,
@@ -651,9 +683,13 @@ class _HostJob:
         loop: asyncio.AbstractEventLoop,
         done: JobDone,
         in_order: bool = False,
+        hold: bool = False,
+        direct: bool = False,
     ) -> None:
         self.units = units
         self.in_order = in_order  # one unit, chunk by chunk (run_plan)
+        self.hold = hold  # failed: later jobs wait for CopyExecutor.release()
+        self.direct = direct  # run past the queue (while it is held)
         self.next_unit = itertools.count()
         self.remaining = workers
         self.error: BaseException | None = None
@@ -698,7 +734,15 @@ class CopyExecutor:
                 self._threads, thread_name_prefix=f"kvtier-{direction}"
             )
 
-    def submit(self, plan: Sequence[ChunkCopy], done: JobDone, after: Sequence[Any] = ()) -> None:
+    def submit(
+        self,
+        plan: Sequence[ChunkCopy],
+        done: JobDone,
+        after: Sequence[Any] = (),
+        *,
+        hold_on_error: bool = False,
+        direct: bool = False,
+    ) -> None:
         """Start copying a job; ``done(error)`` runs on the event loop when every byte landed.
 
         Must be called from the event loop thread. ``error`` is ``None`` or a
@@ -712,6 +756,11 @@ class CopyExecutor:
                 before its first copy (the callers' streams at their calls);
                 when empty, it waits for the loop thread's current stream.
                 Ignored on the CPU path.
+            hold_on_error: CPU path: if the job fails, the jobs after it wait
+                until :meth:`release` (the caller copies parts of it again
+                first, with ``direct``, so that call order holds).
+            direct: CPU path: start at once, past the jobs waiting (only while
+                a failed job holds them).
         """
         loop = asyncio.get_running_loop()
         if self._pool is None:
@@ -722,7 +771,12 @@ class CopyExecutor:
             units: list[Sequence[ChunkCopy]] = [plan]  # one thread, in plan order: later wins
         else:
             units = _units(plan, self._threads)
-        job = _HostJob(units, min(self._threads, len(units)), loop, done, in_order)
+        job = _HostJob(
+            units, min(self._threads, len(units)), loop, done, in_order, hold_on_error, direct
+        )
+        if direct:
+            self._start(job)
+            return
         with self._lock:
             if self._running:
                 self._queue.append(job)
@@ -756,14 +810,29 @@ class CopyExecutor:
             job.remaining -= 1
             if job.remaining:
                 return
-            following = self._queue.popleft() if self._queue else None
-            self._running = following is not None
+            if job.direct or (job.hold and job.error is not None):
+                following = None  # the queue waits for release()
+            else:
+                following = self._queue.popleft() if self._queue else None
+                self._running = following is not None
         with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
             job.loop.call_soon_threadsafe(job.done, job.error)
         if following is not None:
             self._start(following)
 
-    async def run(self, plan: Sequence[ChunkCopy], after: Sequence[Any] = ()) -> None:
+    def release(self) -> None:
+        """Start the jobs that a failed ``hold_on_error`` job held back (event loop thread)."""
+        if self._pool is None:
+            return
+        with self._lock:
+            following = self._queue.popleft() if self._queue else None
+            self._running = following is not None
+        if following is not None:
+            self._start(following)
+
+    async def run(
+        self, plan: Sequence[ChunkCopy], after: Sequence[Any] = (), *, direct: bool = False
+    ) -> None:
         """Copy a job and return when every byte has landed (:meth:`submit` as a coroutine).
 
         Cancelling the awaiting task does NOT stop the copy.
@@ -777,7 +846,7 @@ class CopyExecutor:
             if not fut.done():
                 fut.set_result(err)
 
-        self.submit(plan, done, after)
+        self.submit(plan, done, after, direct=direct)
         error = await fut
         if error is not None:
             raise error

@@ -45,10 +45,14 @@ def jobs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[Any]]]:
     real = _transfer.CopyExecutor.submit
 
     def submit(
-        self: _transfer.CopyExecutor, plan: Any, done: Any, after: Sequence[Any] = ()
+        self: _transfer.CopyExecutor,
+        plan: Any,
+        done: Any,
+        after: Sequence[Any] = (),
+        **kw: Any,
     ) -> None:
         recorded.append((self.direction, list(after)))
-        real(self, plan, done, after)
+        real(self, plan, done, after, **kw)
 
     monkeypatch.setattr(kvtier.TransferEngine, "_mark", mark)
     monkeypatch.setattr(_transfer.CopyExecutor, "submit", submit)

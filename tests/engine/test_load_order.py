@@ -182,3 +182,46 @@ async def test_three_calls_into_one_block_land_in_call_order(tmp_path: Path) -> 
     finally:
         rig.io[-1].gate.set()
         await engine.aclose()
+
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+async def test_a_job_that_cannot_start_fails_its_calls_and_never_hangs(
+    monkeypatch: pytest.MonkeyPatch, direction: str
+) -> None:
+    """An exception from the executor's submit (a bug) fails the job's calls, nothing waits."""
+    from kvtier import _transfer
+
+    t = torch.empty((8, 64), dtype=torch.uint8)
+    fill_random(t, 3)
+    layout = kvtier.KVLayout.from_tensors({0: {"kv": t}})
+    a, b = key("a", 0), key("b", 0)
+    real = _transfer.CopyExecutor.submit
+    broken = {"left": 1}
+
+    def submit(self: _transfer.CopyExecutor, *args: Any, **kw: Any) -> None:
+        if self.direction == direction and broken["left"]:
+            broken["left"] -= 1
+            raise RuntimeError("injected: submit broke")
+        real(self, *args, **kw)
+
+    async with kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 1)) as engine:
+        if direction == "load":
+            assert len((await engine.store([kvtier.Chunk(a, [1]), kvtier.Chunk(b, [2])])).stored)
+        monkeypatch.setattr(_transfer.CopyExecutor, "submit", submit)
+        calls = [engine.store, engine.load][direction == "load"]
+        out = await asyncio.wait_for(
+            asyncio.gather(calls([kvtier.Chunk(a, [5])]), calls([kvtier.Chunk(b, [6])])), 10
+        )
+        if direction == "store":
+            assert [r.rejected for r in out] == [(a,), (b,)]
+            assert engine.lookup([a, b]) == [kvtier.Residency.MISS] * 2
+        else:
+            for r, k in zip(out, (a, b), strict=True):
+                assert isinstance(r.failed[k], kvtier.errors.TransferError)
+        assert engine.stats().failures["transfer"] == 1
+        # the next job starts as usual
+        again = await asyncio.wait_for(calls([kvtier.Chunk(a, [7])]), 10)
+        assert (again.stored if direction == "store" else again.loaded) == (a,)
+        if direction == "store":  # a's slot holds block 7's bytes: load them into block 0
+            assert (await engine.load([kvtier.Chunk(a, [0])])).loaded == (a,)
+    assert torch.equal(t[7], t[0]) if direction == "store" else torch.equal(t[7], t[1])
