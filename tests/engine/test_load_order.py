@@ -11,9 +11,10 @@ wait for an event (``NVMeConfig.row_io_wrapper``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import threading
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,15 +63,28 @@ class _Rig:
         self.x, self.y = key("x", 0), key("y", 0)
         self.x_bytes, self.y_bytes = self.t[1].clone(), self.t[2].clone()
 
-    async def engine(self) -> kvtier.TransferEngine:
-        """An open engine where ``x`` is on NVMe only and ``y`` in a CPU slot; reads gated."""
+    @contextlib.asynccontextmanager
+    async def engine(self) -> AsyncIterator[kvtier.TransferEngine]:
+        """An open engine where ``x`` is on NVMe only and ``y`` in a CPU slot; reads gated.
+
+        On the way out (the test passed) no load turn is left; the gate is
+        opened and the engine closed in any case.
+        """
         async with kvtier.TransferEngine(self.layout, self.config) as first:
             await first.store([kvtier.Chunk(self.x, [1])], durable=True)
         engine = await kvtier.TransferEngine(self.layout, self.config).start()
-        assert (await engine.store([kvtier.Chunk(self.y, [2])])).stored == (self.y,)
-        assert engine.lookup([self.x, self.y]) == [kvtier.Residency.NVME, kvtier.Residency.CPU]
-        self.io[-1].armed = True
-        return engine
+        try:
+            assert (await engine.store([kvtier.Chunk(self.y, [2])])).stored == (self.y,)
+            assert engine.lookup([self.x, self.y]) == [
+                kvtier.Residency.NVME,
+                kvtier.Residency.CPU,
+            ]
+            self.io[-1].armed = True
+            yield engine
+            assert engine._load_turns == []
+        finally:
+            self.io[-1].gate.set()
+            await engine.aclose()
 
     async def x_is_reading(self) -> None:
         """Return once the promotion of ``x`` waits at the gate."""
@@ -86,8 +100,7 @@ async def test_a_later_load_into_the_same_block_waits_for_the_promotion_and_wins
     tmp_path: Path,
 ) -> None:
     rig = _Rig(tmp_path)
-    engine = await rig.engine()
-    try:
+    async with rig.engine() as engine:
         first = asyncio.ensure_future(engine.load([kvtier.Chunk(rig.x, [5])]))
         second = asyncio.ensure_future(engine.load([kvtier.Chunk(rig.y, [5])]))
         await rig.x_is_reading()
@@ -98,18 +111,13 @@ async def test_a_later_load_into_the_same_block_waits_for_the_promotion_and_wins
         out = await asyncio.wait_for(asyncio.gather(first, second), 30)
         assert [r.loaded for r in out] == [(rig.x,), (rig.y,)]
         assert torch.equal(rig.t[5], rig.y_bytes)  # the later call's bytes are left
-        assert engine._load_turns == []
-    finally:
-        rig.io[-1].gate.set()
-        await engine.aclose()
 
 
 async def test_a_later_load_into_other_blocks_does_not_wait_for_the_promotion(
     tmp_path: Path,
 ) -> None:
     rig = _Rig(tmp_path)
-    engine = await rig.engine()
-    try:
+    async with rig.engine() as engine:
         first = asyncio.ensure_future(engine.load([kvtier.Chunk(rig.x, [5])]))
         await rig.x_is_reading()
         out = await asyncio.wait_for(engine.load([kvtier.Chunk(rig.y, [6])]), 30)
@@ -119,10 +127,6 @@ async def test_a_later_load_into_other_blocks_does_not_wait_for_the_promotion(
         rig.io[-1].gate.set()
         assert (await asyncio.wait_for(first, 30)).loaded == (rig.x,)
         assert torch.equal(rig.t[5], rig.x_bytes)
-        assert engine._load_turns == []
-    finally:
-        rig.io[-1].gate.set()
-        await engine.aclose()
 
 
 @pytest.mark.parametrize("how", ["cancelled", "read_failed"])
@@ -130,8 +134,7 @@ async def test_an_earlier_load_that_copies_nothing_lets_the_later_one_through(
     tmp_path: Path, how: str
 ) -> None:
     rig = _Rig(tmp_path)
-    engine = await rig.engine()
-    try:
+    async with rig.engine() as engine:
         before = rig.t[5].clone()
         first = asyncio.ensure_future(engine.load([kvtier.Chunk(rig.x, [5])]))
         second = asyncio.ensure_future(engine.load([kvtier.Chunk(rig.y, [5])]))
@@ -153,17 +156,12 @@ async def test_an_earlier_load_that_copies_nothing_lets_the_later_one_through(
             assert set(out.failed) == {rig.x}
         assert not torch.equal(before, rig.y_bytes)
         assert torch.equal(rig.t[5], rig.y_bytes)
-        assert engine._load_turns == []
-    finally:
-        rig.io[-1].gate.set()
-        await engine.aclose()
 
 
 async def test_three_calls_into_one_block_land_in_call_order(tmp_path: Path) -> None:
     """x (NVMe), then y, then z, all into block 5: each waits for the call before it."""
     rig = _Rig(tmp_path)
-    engine = await rig.engine()
-    try:
+    async with rig.engine() as engine:
         calls = [
             asyncio.ensure_future(engine.load([kvtier.Chunk(rig.x, [5])])),
             asyncio.ensure_future(engine.load([kvtier.Chunk(rig.y, [5])])),
@@ -178,10 +176,6 @@ async def test_three_calls_into_one_block_land_in_call_order(tmp_path: Path) -> 
         out = await asyncio.wait_for(asyncio.gather(*calls), 30)
         assert [r.loaded for r in out] == [(rig.x,), (rig.y,), (z,)]
         assert torch.equal(rig.t[5], rig.t[3])  # the last call's bytes
-        assert engine._load_turns == []
-    finally:
-        rig.io[-1].gate.set()
-        await engine.aclose()
 
 
 @pytest.mark.parametrize("direction", ["store", "load"])
