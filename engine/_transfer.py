@@ -794,10 +794,7 @@ class CopyExecutor:
         units = job.units
         while (i := next(job.next_unit)) < len(units):
             try:
-                if job.in_order:
-                    run_plan(units[i], self.direction, in_order=True)
-                else:
-                    run_plan(units[i], self.direction)
+                run_plan(units[i], self.direction, in_order=job.in_order)
             except Exception as exc:
                 if error is None:
                     error = TransferError(

@@ -132,10 +132,10 @@ async def test_a_failed_jobs_calls_are_copied_again_each_with_its_own_mark(
     real = _transfer.run_plan
     failures = iter([True])
 
-    def flaky(plan: Any, direction: str, *rest: Any) -> None:
+    def flaky(plan: Any, direction: str, *rest: Any, **kw: Any) -> None:
         if direction == "store" and len(plan) == 2 and next(failures, False):
             raise RuntimeError("injected copy failure")
-        real(plan, direction, *rest)
+        real(plan, direction, *rest, **kw)
 
     monkeypatch.setattr(_transfer, "run_plan", flaky)
     config = kvtier.EngineConfig(1 << 20, 2, copy_threads=1)  # the job is one unit

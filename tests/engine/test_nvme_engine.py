@@ -13,6 +13,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -229,10 +230,10 @@ async def test_load_waits_for_a_promotion_another_load_starts_meanwhile(
         await engine.store([kvtier.Chunk(k_nvme, [0, 1])], durable=True)
     real = _transfer.run_plan
 
-    def slow_store(plan: list, direction: str) -> None:
+    def slow_store(plan: list, direction: str, **kw: Any) -> None:
         if direction == "store":
             time.sleep(0.05)
-        real(plan, direction)
+        real(plan, direction, **kw)
 
     monkeypatch.setattr(_transfer, "run_plan", slow_store)
     async with kvtier.TransferEngine(layout, cfg) as engine:

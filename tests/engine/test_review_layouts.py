@@ -139,8 +139,8 @@ async def test_the_reference_model_catches_a_wrong_byte(monkeypatch: pytest.Monk
 
     real = transfer.run_plan
 
-    def sloppy(plan, direction):  # type: ignore[no-untyped-def]
-        real(plan, direction)
+    def sloppy(plan, direction, **kw):  # type: ignore[no-untyped-def]
+        real(plan, direction, **kw)
         if direction == "load":
             gpu8 = plan[0].specs[0].gpu8
             gpu8[gpu8.size(0) - 1].view(-1)[0] += 1  # the last block: never loaded below

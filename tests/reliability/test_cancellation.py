@@ -13,6 +13,7 @@ import asyncio
 import pathlib
 import random
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -267,9 +268,9 @@ async def test_cancelled_load_leaves_its_blocks_alone_afterwards(
     # CancelledError nothing may write its blocks any more.
     real = _transfer.run_plan
 
-    def slow(plan: list[_transfer.ChunkCopy], direction: str) -> None:
+    def slow(plan: list[_transfer.ChunkCopy], direction: str, **kw: Any) -> None:
         time.sleep(0.03)
-        real(plan, direction)
+        real(plan, direction, **kw)
 
     t = torch.empty((32, 4096), dtype=torch.uint8)
     t.copy_(

@@ -17,6 +17,7 @@ import random
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -42,10 +43,10 @@ def _slow_loads(monkeypatch: pytest.MonkeyPatch, delay_s: float) -> None:
     """Every load unit sleeps ``delay_s`` in its copy thread before copying."""
     real = _transfer.run_plan
 
-    def slow(plan: Sequence[_transfer.ChunkCopy], direction: str) -> None:
+    def slow(plan: Sequence[_transfer.ChunkCopy], direction: str, **kw: Any) -> None:
         if direction == "load":
             time.sleep(delay_s)
-        real(plan, direction)  # type: ignore[arg-type]
+        real(plan, direction, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(_transfer, "run_plan", slow)
 
@@ -131,10 +132,10 @@ async def test_failed_unit_fails_the_call_and_writes_no_wrong_bytes(
         await store_ok(engine, gpu, cs)
         real = _transfer.run_plan
 
-        def failing(plan: Sequence[_transfer.ChunkCopy], direction: str) -> None:
+        def failing(plan: Sequence[_transfer.ChunkCopy], direction: str, **kw: Any) -> None:
             if direction == "load" and any(0 in c.block_ids for c in plan):
                 raise RuntimeError("injected copy failure")
-            real(plan, direction)  # type: ignore[arg-type]
+            real(plan, direction, **kw)  # type: ignore[arg-type]
 
         monkeypatch.setattr(_transfer, "run_plan", failing)
         for c in cs:
@@ -185,11 +186,11 @@ async def test_failed_unit_is_reported_to_its_own_call_only(
         real = _transfer.run_plan
         hits = {"n": 0}
 
-        def failing(plan: Sequence[_transfer.ChunkCopy], direction: str) -> None:
+        def failing(plan: Sequence[_transfer.ChunkCopy], direction: str, **kw: Any) -> None:
             if direction == "load" and any(44 in c.block_ids for c in plan):
                 hits["n"] += 1
                 raise RuntimeError("injected copy failure")
-            real(plan, direction)  # type: ignore[arg-type]
+            real(plan, direction, **kw)  # type: ignore[arg-type]
 
         monkeypatch.setattr(_transfer, "run_plan", failing)
         for c in mine + other:
@@ -213,9 +214,9 @@ async def test_cancelled_twice_while_waiting_for_a_store_then_its_copy(
     gpu = Gpu(num_blocks=64)
     real = _transfer.run_plan
 
-    def slow(plan: Sequence[_transfer.ChunkCopy], direction: str) -> None:
+    def slow(plan: Sequence[_transfer.ChunkCopy], direction: str, **kw: Any) -> None:
         time.sleep(0.04)
-        real(plan, direction)  # type: ignore[arg-type]
+        real(plan, direction, **kw)  # type: ignore[arg-type]
 
     async with kvtier.TransferEngine(gpu.layout, engine_config(gpu, 8)) as engine:
         (c,) = chunks_for([key("twice", 0)])
@@ -322,10 +323,10 @@ async def test_load_waits_for_a_store_started_while_it_waited(
     gpu = Gpu(num_blocks=64)
     real = _transfer.run_plan
 
-    def slow(plan: Sequence[_transfer.ChunkCopy], direction: str) -> None:
+    def slow(plan: Sequence[_transfer.ChunkCopy], direction: str, **kw: Any) -> None:
         if direction == "store":
             time.sleep(0.03)
-        real(plan, direction)  # type: ignore[arg-type]
+        real(plan, direction, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(_transfer, "run_plan", slow)
     async with kvtier.TransferEngine(gpu.layout, engine_config(gpu, 8)) as engine:
