@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 import kvtier
+from tests.io.faults import DelegatingRowIO
 
 
 def key(name: str | int, group_id: int) -> kvtier.OffloadKey:
@@ -63,3 +68,37 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(
         a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
     )
+
+
+class Gate:
+    """Shared state of the gated RowIO wrappers of one test (one per tier open)."""
+
+    def __init__(self) -> None:
+        self.armed = False  # reads wait for ``opened``
+        self.fail = False  # reads that passed the gate raise EIO
+        self.opened = threading.Event()
+        self.reading = threading.Event()  # a read waits at the gate
+        self.delay: Callable[[], float] | None = None  # seconds each read sleeps
+
+    def wrap(self, inner: Any) -> GatedRowIO:
+        return GatedRowIO(inner, self)
+
+
+class GatedRowIO(DelegatingRowIO):
+    """Reads wait at ``gate`` while it is armed (``NVMeConfig.row_io_wrapper``)."""
+
+    def __init__(self, inner: Any, gate: Gate) -> None:
+        super().__init__(inner)
+        self.gate = gate
+
+    def preadv(self, handle: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
+        g = self.gate
+        if g.armed:
+            g.reading.set()
+            if not g.opened.wait(30):
+                raise OSError(errno.EIO, "the test never opened the gate")
+            if g.fail:
+                raise OSError(errno.EIO, "injected EIO")
+        if g.delay is not None:
+            time.sleep(g.delay())
+        return self.inner.preadv(handle, bufs, file_offset)

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
-import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,27 +20,7 @@ import pytest
 import torch
 
 import kvtier
-from tests.engine.helpers import fill_random, key
-from tests.io.faults import DelegatingRowIO
-
-
-class _GatedReads(DelegatingRowIO):
-    """Reads wait for ``gate`` once ``armed``; ``fail`` makes them raise EIO after it."""
-
-    def __init__(self, inner: Any) -> None:
-        super().__init__(inner)
-        self.armed = False
-        self.fail = False
-        self.gate = threading.Event()
-        self.reading = threading.Event()  # a read is waiting at the gate
-
-    def preadv(self, handle: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
-        if self.armed:
-            self.reading.set()
-            assert self.gate.wait(30), "the test never opened the gate"
-            if self.fail:
-                raise OSError(errno.EIO, "injected EIO")
-        return self.inner.preadv(handle, bufs, file_offset)
+from tests.engine.helpers import Gate, fill_random, key
 
 
 class _Rig:
@@ -52,12 +30,12 @@ class _Rig:
         self.t = torch.empty((16, 64), dtype=torch.uint8)
         fill_random(self.t, 17)
         self.layout = kvtier.KVLayout.from_tensors({0: {"kv": self.t}})
-        self.io: list[_GatedReads] = []
+        self.gate = Gate()  # NVMe reads wait here once armed
         nvme = kvtier.NVMeConfig(
             root=tmp_path,
             capacity_bytes=1 << 24,
             namespace="load-order",
-            row_io_wrapper=lambda inner: self.io.append(_GatedReads(inner)) or self.io[-1],
+            row_io_wrapper=self.gate.wrap,
         )
         self.config = kvtier.EngineConfig(1 << 20, 1, nvme=nvme, copy_threads=2)
         self.x, self.y = key("x", 0), key("y", 0)
@@ -79,16 +57,16 @@ class _Rig:
                 kvtier.Residency.NVME,
                 kvtier.Residency.CPU,
             ]
-            self.io[-1].armed = True
+            self.gate.armed = True
             yield engine
             assert engine._load_turns == []
         finally:
-            self.io[-1].gate.set()
+            self.gate.opened.set()
             await engine.aclose()
 
     async def x_is_reading(self) -> None:
         """Return once the promotion of ``x`` waits at the gate."""
-        reading = self.io[-1].reading
+        reading = self.gate.reading
         for _ in range(3000):
             if reading.is_set():
                 return
@@ -107,7 +85,7 @@ async def test_a_later_load_into_the_same_block_waits_for_the_promotion_and_wins
         await asyncio.sleep(0.2)
         # Without the turn the later (resident) call took the fast path and was done by now.
         assert not second.done()
-        rig.io[-1].gate.set()
+        rig.gate.opened.set()
         out = await asyncio.wait_for(asyncio.gather(first, second), 30)
         assert [r.loaded for r in out] == [(rig.x,), (rig.y,)]
         assert torch.equal(rig.t[5], rig.y_bytes)  # the later call's bytes are left
@@ -124,7 +102,7 @@ async def test_a_later_load_into_other_blocks_does_not_wait_for_the_promotion(
         assert out.loaded == (rig.y,)
         assert torch.equal(rig.t[6], rig.y_bytes)
         assert not first.done()  # still waiting for its row
-        rig.io[-1].gate.set()
+        rig.gate.opened.set()
         assert (await asyncio.wait_for(first, 30)).loaded == (rig.x,)
         assert torch.equal(rig.t[5], rig.x_bytes)
 
@@ -142,10 +120,10 @@ async def test_an_earlier_load_that_copies_nothing_lets_the_later_one_through(
         if how == "cancelled":
             first.cancel()
         else:
-            rig.io[-1].fail = True
+            rig.gate.fail = True
         await asyncio.sleep(0.05)
         assert not second.done()  # the promotion of x is still in flight
-        rig.io[-1].gate.set()
+        rig.gate.opened.set()
         assert (await asyncio.wait_for(second, 30)).loaded == (rig.y,)
         if how == "cancelled":
             with pytest.raises(asyncio.CancelledError):
@@ -172,7 +150,7 @@ async def test_three_calls_into_one_block_land_in_call_order(tmp_path: Path) -> 
         calls.append(asyncio.ensure_future(engine.load([kvtier.Chunk(z, [5])])))
         await asyncio.sleep(0.1)
         assert not any(c.done() for c in calls)
-        rig.io[-1].gate.set()
+        rig.gate.opened.set()
         out = await asyncio.wait_for(asyncio.gather(*calls), 30)
         assert [r.loaded for r in out] == [(rig.x,), (rig.y,), (z,)]
         assert torch.equal(rig.t[5], rig.t[3])  # the last call's bytes

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import random
 import threading
 import time
@@ -26,46 +25,13 @@ import torch
 
 import kvtier
 from kvtier import _transfer as transfer
-from tests.engine.helpers import fill_random, key
-from tests.io.faults import DelegatingRowIO
+from tests.engine.helpers import Gate, fill_random, key
 
 C = kvtier.Chunk
 T = 20.0  # seconds any single wait may take before the test fails
 
 
 # ---------------------------------------------------------------- seams
-
-
-class Gate:
-    """Shared state of the gated RowIO wrappers of one test (one per tier open)."""
-
-    def __init__(self) -> None:
-        self.armed = False  # reads wait for ``opened``
-        self.fail = False  # reads that passed the gate raise EIO
-        self.opened = threading.Event()
-        self.reading = threading.Event()  # a read waits at the gate
-        self.delay: Callable[[], float] | None = None  # seconds each read sleeps
-
-    def wrap(self, inner: Any) -> GatedRowIO:
-        return GatedRowIO(inner, self)
-
-
-class GatedRowIO(DelegatingRowIO):
-    def __init__(self, inner: Any, gate: Gate) -> None:
-        super().__init__(inner)
-        self.gate = gate
-
-    def preadv(self, handle: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
-        g = self.gate
-        if g.armed:
-            g.reading.set()
-            if not g.opened.wait(30):
-                raise OSError(errno.EIO, "the test never opened the gate")
-            if g.fail:
-                raise OSError(errno.EIO, "injected EIO")
-        if g.delay is not None:
-            time.sleep(g.delay())
-        return self.inner.preadv(handle, bufs, file_offset)
 
 
 @contextmanager
