@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -439,10 +440,10 @@ async def test_failed_copy_in_a_multi_call_job_fails_only_its_call(
 ) -> None:
     real = transfer.run_plan
 
-    def failing(plan: list[transfer.ChunkCopy], direction: str) -> None:
+    def failing(plan: list[transfer.ChunkCopy], direction: str, **kw: Any) -> None:
         if any(13 in c.block_ids for c in plan):
             raise RuntimeError("injected copy failure")
-        real(plan, direction)
+        real(plan, direction, **kw)
 
     monkeypatch.setattr(transfer, "run_plan", failing)
     layout, t, config = _small_engine(copy_threads=2)
@@ -483,12 +484,12 @@ async def test_aclose_waits_for_every_queued_job(
     lock = threading.Lock()
     inflight = [0]
 
-    def slow(plan: list[transfer.ChunkCopy], direction: str) -> None:
+    def slow(plan: list[transfer.ChunkCopy], direction: str, **kw: Any) -> None:
         with lock:
             inflight[0] += 1
         try:
             time.sleep(0.01)
-            real(plan, direction)
+            real(plan, direction, **kw)
         finally:
             with lock:
                 inflight[0] -= 1
