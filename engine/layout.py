@@ -15,6 +15,7 @@ layer ``l`` sits at ``offset_l + j * payload_l``.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvtier.errors import LayoutError, UnknownGroupError
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -332,7 +335,9 @@ class KVLayout:
                 view identical bytes are copied once.
             block_dim: the ``num_blocks`` dimension, one int for all layers or
                 ``{layer_name: int}`` (layers it leaves out use 0). Negative
-                values count from the end.
+                values count from the end. A layer of four or more dims with
+                size 2 along it is logged as a warning: vLLM's
+                ``(2, num_blocks, ...)`` K/V tensors take ``block_dim=1``.
             payload_nbytes: optional ``{layer_name: bytes}``: only this prefix of
                 each page (in row-major order of the page's dims) is transferred.
             tokens_per_block: tokens per GPU block, one int or ``{group_id: int}``.
@@ -377,6 +382,7 @@ class KVLayout:
         _check_names_are_unique(groups)
         device: torch.device | None = None
         built: dict[int, GroupLayout] = {}
+        two_blocks: list[str] = []  # layers whose block dim has size 2: vLLM's K/V dim?
         for group_id, layers in groups.items():
             if (
                 isinstance(group_id, bool)
@@ -427,6 +433,8 @@ class KVLayout:
                         f"layer {name!r}: block_dim {bd!r} invalid for shape {tuple(tensor.shape)}"
                     )
                 bd %= tensor.dim()
+                if tensor.size(bd) == 2 and tensor.dim() >= 4 and max(tensor.shape) > 2:
+                    two_blocks.append(name)
                 if tensor.dtype.itemsize > 1 and tensor.stride(-1) != 1 and tensor.size(-1) != 1:
                     raise LayoutError(f"layer {name!r}: the last dimension must be contiguous")
                 if tensor.numel() == 0:
@@ -490,6 +498,12 @@ class KVLayout:
                 names = sorted(map(repr, extra))
                 raise LayoutError(f"tokens_per_block names unknown groups: {names}")
         assert device is not None
+        if two_blocks:
+            log.warning(
+                "kvtier: layers %s have 2 blocks along block_dim; for vLLM's "
+                "(2, num_blocks, ...) K/V tensors pass block_dim=1",
+                ", ".join(two_blocks[:4]) + (", ..." if len(two_blocks) > 4 else ""),
+            )
         return cls(built, device)
 
     @classmethod

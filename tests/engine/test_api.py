@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 import torch
@@ -405,3 +406,20 @@ def test_one_layer_name_for_two_tensors_is_refused() -> None:
     # the same tensor (or an identical view of it) under one name in two groups: an alias
     layout = kvtier.KVLayout.from_tensors({0: {"x": a}, 1: {"x": a.view(4, 8)}})
     assert list(layout.group_ids) == [0, 1]
+
+
+def test_a_vllm_kv_tensor_registered_with_block_dim_0_is_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """(2, num_blocks, ...) with the default block_dim=0 would be 2 blocks: logged."""
+    t = torch.zeros((2, 8, 16, 1, 64), dtype=torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="kvtier.layout"):
+        layout = kvtier.KVLayout.from_tensors({0: {"layers.0": t}})
+    assert layout.group(0).num_blocks == 2
+    assert "block_dim=1" in caplog.text
+    assert "layers.0" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvtier.layout"):
+        layout = kvtier.KVLayout.from_tensors({0: {"layers.0": t}}, block_dim=1)
+    assert layout.group(0).num_blocks == 8
+    assert caplog.text == ""
