@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from kvtier.errors import (
     KeyNotResidentError,
     NotStoredError,
     TransferError,
+    WrongThreadError,
 )
 from kvtier.layout import KVLayout, byte_extent, page_intervals
 
@@ -211,8 +213,10 @@ class TransferEngine:
     slots, each sized for the LARGEST group, so ``num_slots`` keys of any group
     mix fit without eviction. Use it as an async context manager, or call
     :meth:`start` and :meth:`aclose`. All methods must be called from the event
-    loop thread that started the engine (use :class:`BackgroundEngine` from
-    synchronous code).
+    loop thread that started the engine, and its coroutines awaited on that
+    loop (use :class:`BackgroundEngine` from synchronous code); other calls
+    raise :class:`~kvtier.errors.WrongThreadError` and change nothing.
+    :meth:`stats` alone may be read from any thread (a metrics scrape).
 
     Args:
         layout: the registered GPU KV cache.
@@ -279,6 +283,9 @@ class TransferEngine:
         # While start() runs: its end (set once it returned or raised), and
         # whether aclose() asked it to stop at its next step.
         self._started: asyncio.Future[None] | None = None
+        # The loop (and its thread) that start() ran on: every other call must come from it.
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: int | None = None
         self._close_requested = False
         self._hard_close = False  # the close drops rows not yet written (aclose(hard=True))
         self._c = _Counters()
@@ -336,7 +343,8 @@ class TransferEngine:
         if self._state != "new":
             raise EngineClosedError(f"engine cannot start in state {self._state!r}")
         self._state = "starting"
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
+        self._thread = threading.get_ident()
         started = self._started = loop.create_future()
         try:
             try:
@@ -420,9 +428,17 @@ class TransferEngine:
         Cancellation: closing continues in the background; a later ``aclose``
         waits for it.
 
+        Raises:
+            WrongThreadError: called from another thread than the engine's
+                while it is not closed (nothing changed).
+
         """
         if self._state == "new":
             self._state = "closed"
+        if self._state != "closed" and threading.get_ident() != self._thread:
+            raise WrongThreadError(
+                f"{type(self).__name__}.aclose() from another thread than the one it started on"
+            )
         if self._started is not None and not self._started.done():
             # start() is running, or releasing after a failure: its end comes first
             self._close_requested = True
@@ -538,11 +554,30 @@ class TransferEngine:
         return _record_event(self.layout.device)  # pragma: no cover - CUDA hosts only
 
     def _check_open(self) -> None:
+        """Raise unless the engine is open and called from the thread it started on.
+
+        Raises:
+            EngineClosedError: the engine is not open.
+            WrongThreadError: called from another thread than the engine's loop's.
+        """
         if self._state != "open":
             hint = ""
             if self._state == "new":
                 hint = " (start it first: `async with engine:` or `await engine.start()`)"
             raise EngineClosedError(f"engine is {self._state}; no call is accepted{hint}")
+        if threading.get_ident() != self._thread:
+            raise WrongThreadError(
+                f"{type(self).__name__} was started on another thread: call it only from its "
+                "event loop's thread (a synchronous serving loop uses kvtier.BackgroundEngine)"
+            )
+
+    def _check_loop(self) -> None:
+        """Raise :class:`WrongThreadError` unless running on the loop the engine started on."""
+        if asyncio.get_running_loop() is not self._loop:
+            raise WrongThreadError(
+                f"{type(self).__name__} was started on another event loop: await its calls "
+                "only on that loop"
+            )
 
     # ------------------------------------------------------------------ queries
     def lookup(self, keys: Iterable[OffloadKey]) -> list[Residency]:
@@ -562,6 +597,8 @@ class TransferEngine:
                 ``store``, ``load`` and ``prefetch`` raise: such a key is a
                 caller's bug, not a miss).
             EngineClosedError: the engine is not open.
+            WrongThreadError: called from another thread or event loop than
+                the engine's (nothing changed).
 
         """
         self._check_open()
@@ -586,10 +623,15 @@ class TransferEngine:
     def prefix_hits(self, keys: Iterable[OffloadKey]) -> int:
         """Number of leading keys that a load can serve (``CPU``, ``NVME`` or ``PENDING``).
 
+        A key stored as a partial chunk counts; :meth:`stored_range` says
+        which sub-blocks a load of it can ask for.
+
         Raises:
             InvalidArgumentError: ``keys`` is not an iterable of :class:`OffloadKey`
                 (``UnknownGroupError``: a key of a group the layout does not have).
             EngineClosedError: the engine is not open.
+            WrongThreadError: called from another thread or event loop than
+                the engine's (nothing changed).
 
         """
         n = 0
@@ -701,7 +743,11 @@ class TransferEngine:
         Stores issued in the same event-loop iteration are coalesced into one
         job. Keys already present (CPU, in flight or on NVMe) are skipped.
         Keys that find no free or evictable slot are rejected (never waits for
-        room). Eviction never picks a key of the same call.
+        room). Eviction never picks a key of the same call. Recency follows
+        the call's order, head first: the first chunk becomes the most
+        recently used key (in the CPU slots and, through the order its row is
+        queued in, on NVMe), so a prefix chain passed head first loses its
+        tail first.
 
         Cancellation: the copy already submitted still completes; if the caller
         was cancelled before that, the call's slots are then freed (the keys are
@@ -730,12 +776,15 @@ class TransferEngine:
                 (or given on a CPU layout); nothing changed.
             ConfigError: ``durable`` on an engine without an NVMe tier; nothing changed.
             EngineClosedError: the engine is not open.
+            WrongThreadError: called from another thread or event loop than
+                the engine's (nothing changed).
             NotDurableError: ``durable`` and rows of the call's keys could not
                 be written (its ``result`` is the StoreResult; the keys stay in CPU slots).
             StorageError: ``durable`` and the ``fdatasync`` failed (see :meth:`flush`).
 
         """
         self._check_open()
+        self._check_loop()
         if not isinstance(durable, bool):
             raise InvalidArgumentError(f"store(durable=...) must be a bool, got {durable!r}")
         if durable and self.config.nvme is None:
@@ -754,18 +803,20 @@ class TransferEngine:
 
     def _prepare_store(self, chunks: list[Chunk], durable: bool, after: Any) -> _PreparedStore:
         """Synchronous half of a store: skip present keys, reserve slots, submit the copies."""
-        skipped, requests, by_key = [], [], {}
+        skipped, requests, by_key, hit = [], [], {}, []
         for chunk in chunks:
             key = chunk.key
             entry = self._pool.get(key)
             if entry is not None or (self._nvme is not None and self._nvme.contains(key)):
                 skipped.append(key)
                 if entry is not None and not entry.writing:
-                    self._pool.touch(key)
+                    hit.append(key)
                 continue
             nbytes = len(chunk.block_ids) * self.layout.group(key.group_id).block_payload_nbytes
             requests.append((key, chunk.offset, chunk.stop, nbytes))
             by_key[key] = chunk
+        for key in reversed(hit):  # recency: the call's first chunk ends most recently used
+            self._pool.touch(key)
         # Every key of the call is protected, the skipped (present) ones too
         # (a set is built only when the call must evict).
         evicts = len(requests) > self._pool.free_count
@@ -798,13 +849,18 @@ class TransferEngine:
                 self._pool.abort(key)
                 rejected.append(key)
             else:
-                self._pool.commit(key)
                 stored.append(key)
+        # Recency (CPU and, through the order rows are queued in, NVMe): the call's
+        # first chunk ends most recently used, so a prefix chain loses its tail first.
+        for key in reversed(stored):
+            self._pool.commit(key)
         if not p.ready.done():  # never cancelled by kvtier; guard against outside hands
             p.ready.set_result(error is None and not cancelled)
         if stored and self._writer is not None and (self.config.write_through or p.durable):
             # write_through=False: only durable stores write rows
-            self._writer.enqueue([(k, p.by_key[k].offset, p.by_key[k].stop) for k in stored])
+            self._writer.enqueue(
+                [(k, p.by_key[k].offset, p.by_key[k].stop) for k in reversed(stored)]
+            )
         if not p.result.done():
             p.result.set_result(StoreResult(tuple(stored), tuple(p.skipped), tuple(rejected)))
 
@@ -958,7 +1014,9 @@ class TransferEngine:
         no bytes from kvtier. A failed device copy (:class:`TransferError`)
         fails every key of the call; some of their blocks may already hold
         their own bytes, never other bytes. Loads issued in the same
-        event-loop iteration are coalesced into one job.
+        event-loop iteration are coalesced into one job. Hits (and promoted
+        keys) are marked used tail first, so the call's first chunk ends the
+        most recently used key, in the CPU slots and on NVMe.
 
         Calls that write the same GPU bytes land in call order (the later
         call's bytes are left): a call into a block that an earlier call,
@@ -994,9 +1052,12 @@ class TransferEngine:
                 range, a block twice, unknown group), or ``after`` not a
                 ``torch.cuda.Event`` (or given on a CPU layout); nothing changed.
             EngineClosedError: the engine is not open.
+            WrongThreadError: called from another thread or event loop than
+                the engine's (nothing changed).
 
         """
         self._check_open()
+        self._check_loop()
         chunks = self._validate(chunks, load=True)
         after = self._mark(after)
         not_stored: dict[OffloadKey, BaseException] = {}
@@ -1049,6 +1110,8 @@ class TransferEngine:
         in flight are waited for. Promotions of one call go out as coalesced
         runs of consecutive rows, like a load's. The call's keys stay pinned
         until it returns: a store that needs room meanwhile evicts others.
+        Recency follows the call's order, head first, as for a load (for
+        the policy a prefetch is a hint, not a use).
 
         Hits and misses are not counted (they count loads); promotions and
         their failures are (``EngineStats.nvme``: ``promotions``,
@@ -1071,9 +1134,12 @@ class TransferEngine:
                 ``UnknownGroupError`` for a group the layout does not have.
                 Nothing changed.
             EngineClosedError: the engine is not open.
+            WrongThreadError: called from another thread or event loop than
+                the engine's (nothing changed).
 
         """
         self._check_open()
+        self._check_loop()
         if isinstance(keys, OffloadKey | str | bytes) or not isinstance(keys, Sequence):
             raise InvalidArgumentError(
                 f"keys must be a sequence of kvtier.OffloadKey, got {type(keys).__name__}"
@@ -1111,21 +1177,33 @@ class TransferEngine:
                 # Pinned for the call: a store or promotion that needs room while
                 # the call's reads run must not evict a key reported resident.
                 self._pool.pin(key)
-                self._pool.refresh(key)  # a hint, not a use: the load that follows is one
                 resident.append(key)
             elif entry is None and self._nvme is not None and self._nvme.contains(key):
                 promote.append(key)
             else:
                 failed[key] = _on_no_medium(key)
+        for key in reversed(resident):  # the call's first key ends most recent
+            self._pool.refresh(key)  # a hint, not a use: the load that follows is one
         promoted: list[OffloadKey] = []
         try:
             if promote:
                 promoted, errors = await self._writer.promote(promote, protect=set(keys), hint=True)
                 failed.update(errors)
+                if promoted and resident:  # promoted after the residents were refreshed
+                    self._refresh_tail_first(keys, {*resident, *promoted})
         finally:
             for key in (*resident, *promoted):
                 self._pool.unpin(key)  # resident and evictable, like a stored key
         return PrefetchResult(tuple(promoted), tuple(resident), failed)
+
+    def _refresh_tail_first(self, keys: list[OffloadKey], resident: set[OffloadKey]) -> None:
+        """Refresh the ``resident`` ones of a call's ``keys`` from the last to the first.
+
+        The call's first key then ends the most recently used (see :meth:`store`).
+        """
+        for key in reversed(keys):
+            if key in resident:
+                self._pool.refresh(key)
 
     def _withdraw(self, direction: Direction, call: _Call) -> bool:
         """Take a call out of the pending (not yet started) jobs and finish it as cancelled."""
@@ -1213,7 +1291,6 @@ class TransferEngine:
                     failed[key] = short
                     continue
                 self._pool.pin(key)
-                self._pool.touch(key)
                 pinned.append(chunk)
                 self._c.hits += 1
             elif (
@@ -1226,6 +1303,8 @@ class TransferEngine:
             else:
                 self._c.misses += 1
                 failed[key] = _on_no_medium(key)
+        for chunk in reversed(pinned):  # the call's first chunk ends most recently used
+            self._pool.touch(chunk.key)
         return pinned, failed
 
     def _submit_load(
@@ -1276,6 +1355,8 @@ class TransferEngine:
                 (``UnknownGroupError``: its group is not in the layout, as
                 :meth:`lookup` says).
             EngineClosedError: the engine is not open.
+            WrongThreadError: called from another thread or event loop than
+                the engine's (nothing changed).
 
         """
         self._check_open()
@@ -1333,6 +1414,10 @@ class TransferEngine:
                 else:
                     pinned.append(chunk)
                     self._c.nvme_hits += 1
+            if ok and len(pinned) > len(ok):
+                # Promoted keys became resident after the hits were touched: mark the
+                # call's keys again, tail first (a refresh: no second use is counted).
+                self._refresh_tail_first([c.key for c in chunks], {c.key for c in pinned})
         if not pinned:
             return LoadResult((), failed)
         # Earlier loads into the blocks this call copies to submit first, so the later
@@ -1372,12 +1457,15 @@ class TransferEngine:
                 ``store(keys, durable=True)`` writes them again. The next
                 flush syncs again and raises ``NotDurableError`` naming them.
             EngineClosedError: the engine is not open.
+            WrongThreadError: called from another thread or event loop than
+                the engine's (nothing changed).
 
         Cancellation: the writes continue; other flushes and durable stores
         waiting for the same rows are not affected.
 
         """
         self._check_open()
+        self._check_loop()
         if self._writer is not None:
             await self._writer.flush()
 

@@ -386,10 +386,11 @@ class NVMeWriter:
                 engine._c.failures[kind] = engine._c.failures.get(kind, 0) + 1
             else:
                 entry.start, entry.stop = res
-                pool.commit(key, hint=hint)
-                pool.pin(key)
                 ok.append(key)
                 self.promotions += 1
+        for key in reversed(ok):  # recency: the call's first key ends most recently used
+            pool.commit(key, hint=hint)
+            pool.pin(key)
         ready.set_result(True)
         return ok, errors
 

@@ -56,6 +56,14 @@ class EngineClosedError(KVTierError, RuntimeError):
     """The engine was closed (or not started); no call is accepted."""
 
 
+class WrongThreadError(KVTierError, RuntimeError):
+    """A call from another thread, or event loop, than the one the engine started on.
+
+    Nothing was changed. The engine is not thread-safe: a synchronous
+    serving loop drives it through :class:`~kvtier.BackgroundEngine`.
+    """
+
+
 class KeyNotResidentError(KVTierError):
     """A load found the key on no medium (evicted or never stored)."""
 

@@ -849,16 +849,20 @@ async def read_batch(
             tier._index.unpin(job.entry.ref)
     tier._counts["read_seconds"] += time.perf_counter() - t0
     tier._counts["read_requests"] += len(runs)
+    read: list[ReadJob] = []
     for run, errors in zip(runs, outcomes, strict=True):
         for job, err in zip(run, errors, strict=True):
             if err is None:
-                tier._index.touch(job.key)
+                read.append(job)
                 tier._counts["read_bytes"] += job.buf.nbytes
                 results[job.pos] = (job.entry.start, job.entry.stop)
             else:
                 tier._index.drop(job.key, job.entry.ref)
                 fail(tier, err.kind)
                 results[job.pos] = err
+    # Recency: the call's first key ends most recently used (runs are in row order).
+    for job in sorted(read, key=lambda j: j.pos, reverse=True):
+        tier._index.touch(job.key)
 
 
 async def _read_run(tier: NVMeTier, run: list[ReadJob]) -> list[StorageError | None]:

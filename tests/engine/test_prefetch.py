@@ -225,7 +225,8 @@ async def test_under_arc_a_prefetch_is_a_hint_not_a_use(tmp_path: Path) -> None:
         assert cold.key in arc.t1
         assert not arc.t2
         await engine.prefetch([prefetched.key, cold.key])  # resident: hints only
-        assert list(arc.t1)[-2:] == [prefetched.key, cold.key]  # refreshed, still T1
+        # refreshed tail first (the call's first key ends the newest), still T1
+        assert list(arc.t1)[-2:] == [cold.key, prefetched.key]
         assert not arc.t2
         assert not (await engine.load([prefetched])).failed  # a second use
         assert prefetched.key in arc.t2
@@ -238,7 +239,8 @@ async def test_under_lru_a_prefetch_of_a_resident_key_protects_it_from_eviction(
     layout, _ = await _stored_on_nvme(tmp_path)
     chunks = _chunks()
     async with kvtier.TransferEngine(layout, _config(tmp_path, slots=3)) as engine:
-        assert not (await engine.load(chunks[:3])).failed  # fills the 3 slots, 0 oldest
+        # fills the 3 slots, 0 oldest (a call's first chunk ends its newest)
+        assert not (await engine.load(chunks[2::-1])).failed
         await engine.prefetch([chunks[0].key])  # needed soon
         assert not (await engine.load([chunks[3]])).failed  # evicts one
         assert engine.lookup([chunks[0].key, chunks[1].key]) == [

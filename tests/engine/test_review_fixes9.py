@@ -445,7 +445,8 @@ async def test_engine_prefetch_then_load_of_a_ghost_moves_p_like_a_load(tmp_path
             await engine.load([kvtier.Chunk(k, [10 + i]) for i, k in enumerate(hot)])  # T2
             await engine.flush()
             cold = [_k(c) for c in "abcd"]
-            await engine.store([kvtier.Chunk(k, [i]) for i, k in enumerate(cold)])  # evicts T2
+            # a call's first chunk ends its newest: stored reversed, cold[0] is the oldest
+            await engine.store([kvtier.Chunk(k, [i]) for i, k in enumerate(cold)][::-1])
             await engine.flush()
             await engine.store([kvtier.Chunk(_k(c), [i]) for i, c in enumerate("ef")])
             await engine.flush()
@@ -468,7 +469,8 @@ async def test_arc_hinted_ghost_stored_again_prefetched_twice_and_evicted(tmp_pa
     async with kvtier.TransferEngine(layout, _config(4, "arc", tmp_path)) as engine:
         arc = _arc(engine)
         names = "abcd"
-        await engine.store([kvtier.Chunk(_k(c), [i]) for i, c in enumerate(names)])
+        # a call's first chunk ends its newest: stored reversed, a is the oldest
+        await engine.store([kvtier.Chunk(_k(c), [i]) for i, c in enumerate(names)][::-1])
         await engine.flush()
         await engine.store([kvtier.Chunk(_k(c), [i]) for i, c in enumerate("ef")])  # a, b -> B1
         await engine.flush()
@@ -516,7 +518,8 @@ async def test_arc_failed_prefetch_of_a_ghost_leaves_it_a_ghost(tmp_path: Path) 
     wrapper = Wrapper(KeyFault("read", "errno", frozenset({a.block_hash}), times=1))
     async with kvtier.TransferEngine(layout, _config(2, "arc", tmp_path, wrapper)) as engine:
         arc = _arc(engine)
-        await engine.store([kvtier.Chunk(_k(c), [i]) for i, c in enumerate("ab")])
+        # a call's first chunk ends its newest: stored reversed, a is the oldest
+        await engine.store([kvtier.Chunk(_k(c), [i]) for i, c in enumerate("ab")][::-1])
         await engine.flush()
         await engine.store([kvtier.Chunk(_k("c"), [2])])  # a -> B1
         await engine.flush()
@@ -566,7 +569,8 @@ async def test_lru_ignores_the_hint_machinery(tmp_path: Path) -> None:
     layout = _layout()
     async with kvtier.TransferEngine(layout, _config(3, "lru", tmp_path)) as engine:
         a, b, c, d = (_k(n) for n in "abcd")
-        await engine.store([kvtier.Chunk(k, [i]) for i, k in enumerate((a, b, c))])
+        # a call's first chunk ends its newest: stored reversed, the order is a, b, c
+        await engine.store([kvtier.Chunk(k, [i]) for i, k in enumerate((a, b, c))][::-1])
         await engine.flush()
         await engine.store([kvtier.Chunk(d, [3])])  # evicts a
         await engine.flush()

@@ -375,7 +375,8 @@ async def test_exposition_is_valid_openmetrics_with_unique_series(tmp_path: Path
     registry = CollectorRegistry()
     async with kvtier.TransferEngine(layout, _config(2, "lru", tmp_path, wrapper)) as engine:
         collector = register_prometheus(engine, registry, labels={"rank": "0"})
-        await engine.store([kvtier.Chunk(x, [i]) for i, x in enumerate(k[:2])])
+        # stored reversed (a call's first chunk ends its newest): k0 is the oldest
+        await engine.store([kvtier.Chunk(x, [i]) for i, x in enumerate(k[:2])][::-1])
         await engine.flush()
         await engine.store([kvtier.Chunk(k[2], [2])])  # evicts k0
         await engine.flush()

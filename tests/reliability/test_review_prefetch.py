@@ -117,10 +117,15 @@ def config(
 
 
 async def on_nvme(gpu: Gpu, root: Path, chunks: list[kvtier.Chunk], **kw: object) -> None:
-    """Store ``chunks`` durably and close: a new engine finds them on NVMe only."""
+    """Store ``chunks`` durably and close: a new engine finds them on NVMe only.
+
+    Stored in one call, reversed: a call's rows are queued tail first, so the
+    rows then lie in the order of ``chunks`` (row ``i`` holds ``chunks[i]``)
+    and ``chunks[0]`` is the least recently used.
+    """
     cfg = config(gpu, root, max(16, len(chunks)), **kw)  # type: ignore[arg-type]
     async with kvtier.TransferEngine(gpu.layout, cfg) as engine:
-        res = await engine.store(chunks, durable=True)
+        res = await engine.store(chunks[::-1], durable=True)
         assert len(res.stored) == len(chunks)
 
 
