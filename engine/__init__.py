@@ -5,7 +5,7 @@ Public names are re-exported here once; see DESIGN.md section 6.
 
 from kvtier._background import BackgroundEngine
 from kvtier._config import EngineConfig, NVMeConfig
-from kvtier._engine import TransferEngine
+from kvtier._engine import Hold, TransferEngine
 from kvtier._policy import ARCPolicy, EvictionPolicy, LRUPolicy
 from kvtier._types import (
     Chunk,
@@ -28,6 +28,7 @@ __all__ = [
     "EngineConfig",
     "EngineStats",
     "EvictionPolicy",
+    "Hold",
     "KVLayout",
     "KVTierError",
     "LRUPolicy",

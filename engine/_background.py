@@ -13,7 +13,7 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from kvtier._config import EngineConfig
-from kvtier._engine import TransferEngine, _record_event
+from kvtier._engine import Hold, TransferEngine, _record_event
 from kvtier._types import (
     Chunk,
     EngineStats,
@@ -45,8 +45,9 @@ class BackgroundEngine:
     """The same engine on a private uvloop thread, for synchronous serving loops.
 
     ``store``, ``load``, ``prefetch`` and ``flush`` return :class:`concurrent.futures.Future`
-    objects (call ``.result()`` to block); ``lookup``, ``prefix_hits`` and
-    ``stats`` return their values directly (they run on the engine thread).
+    objects (call ``.result()`` to block); ``lookup``, ``prefix_hits``,
+    ``hold``, ``stored_range`` and ``stats`` return their values directly
+    (they run on the engine thread).
 
     Args:
         layout: the registered GPU KV cache.
@@ -260,6 +261,25 @@ class BackgroundEngine:
         """:meth:`TransferEngine.lookup`, run on the engine thread (blocks briefly)."""
         result: list[Residency] = self._query(self.engine.lookup, keys)
         return result
+
+    def hold(self, keys: Iterable[OffloadKey]) -> Hold:
+        """:meth:`TransferEngine.hold`, run on the engine thread (blocks briefly).
+
+        The returned :class:`Hold` may be released from any thread: the
+        release runs on the engine thread (after :meth:`close` it does nothing).
+        """
+        held: Hold = self._query(self.engine.hold, keys)
+        release = self.engine._release_hold
+
+        def on_engine_thread(h: Hold) -> None:
+            if self._on_engine_thread():
+                release(h)
+                return
+            with contextlib.suppress(EngineClosedError):  # closing released it
+                self._query(release, h)
+
+        held._release_fn = on_engine_thread
+        return held
 
     def prefix_hits(self, keys: Iterable[OffloadKey]) -> int:
         """:meth:`TransferEngine.prefix_hits`, run on the engine thread (blocks briefly)."""

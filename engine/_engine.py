@@ -206,6 +206,81 @@ def _written_twice(chunks: Sequence[Chunk], group_id: int) -> int:
     raise AssertionError("no block is written twice")  # pragma: no cover
 
 
+class Hold:
+    """Keys that :meth:`TransferEngine.hold` keeps loadable until :meth:`release`.
+
+    A key in a CPU slot is pinned there (``EngineStats.slots_pinned`` counts
+    it) and a key only on NVMe has its row pinned: neither is evicted, nor
+    its slot or row reused, until the hold is released. A context manager:
+    ``with engine.hold(keys) as held: ...`` releases on exit.
+
+    Attributes:
+        keys: the keys asked for, in call order.
+        residency: where each key was at the call: ``CPU`` and ``NVME`` keys
+            are held; ``PENDING`` ones (a store or promotion in flight) and
+            ``MISS`` ones are not.
+    """
+
+    __slots__ = ("_cpu", "_engine", "_release_fn", "_rows", "keys", "residency")
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        keys: tuple[OffloadKey, ...],
+        residency: tuple[Residency, ...],
+        cpu: list[OffloadKey],
+        rows: list[Any],
+    ) -> None:
+        self._engine: TransferEngine | None = engine
+        self._cpu = cpu
+        self._rows = rows
+        self.keys = keys
+        self.residency = residency
+        # BackgroundEngine routes the release to its engine thread.
+        self._release_fn: Callable[[Hold], None] = engine._release_hold
+
+    @property
+    def prefix_hits(self) -> int:
+        """Leading keys a load could serve at the call (see :meth:`TransferEngine.prefix_hits`)."""
+        n = 0
+        for residency in self.residency:
+            if residency is Residency.MISS:
+                break
+            n += 1
+        return n
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` ran (or the engine closed)."""
+        return self._engine is None
+
+    def release(self) -> None:
+        """Let the held keys be evicted again. Idempotent; nothing to do after the engine closed.
+
+        Raises:
+            WrongThreadError: called from another thread than the engine's
+                (nothing released). A :class:`BackgroundEngine`'s hold may be
+                released from any thread.
+        """
+        if self._engine is not None:
+            self._release_fn(self)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        return f"<kvtier.Hold of {len(self.keys)} keys, {state}>"
+
+
 class TransferEngine:
     """Moves chunks of ONE KV cache group at a time between GPU blocks, CPU slots and NVMe.
 
@@ -279,6 +354,7 @@ class TransferEngine:
         # Load calls that wait before they submit: later loads of their pages wait for them.
         self._load_turns: list[_LoadTurn] = []
         self._tasks: set[asyncio.Future[Any]] = set()
+        self._holds: set[Hold] = set()  # not yet released (aclose releases them)
         self._close_task: asyncio.Task[None] | None = None
         # While start() runs: its end (set once it returned or raised), and
         # whether aclose() asked it to stop at its next step.
@@ -469,6 +545,8 @@ class TransferEngine:
     async def _close(self, hard: bool) -> None:
         self._state = "closing"
         self._hard_close |= hard
+        for held in list(self._holds):  # a hold never keeps the engine open
+            self._release_hold(held)
         writer = self._writer
         try:
             while True:
@@ -602,13 +680,7 @@ class TransferEngine:
 
         """
         self._check_open()
-        if isinstance(keys, OffloadKey | str | bytes) or not isinstance(keys, Iterable):
-            raise InvalidArgumentError(
-                f"keys must be an iterable of kvtier.OffloadKey, got {type(keys).__name__}"
-            )
-        keys = list(keys)
-        for key in keys:
-            self._check_key(key)
+        keys = self._key_list(keys)
         out = []
         for key in keys:
             entry = self._pool.get(key)
@@ -619,6 +691,87 @@ class TransferEngine:
             else:
                 out.append(Residency.MISS)
         return out
+
+    def _key_list(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        """``keys`` as a list, each checked (:meth:`_check_key`)."""
+        if isinstance(keys, OffloadKey | str | bytes) or not isinstance(keys, Iterable):
+            raise InvalidArgumentError(
+                f"keys must be an iterable of kvtier.OffloadKey, got {type(keys).__name__}"
+            )
+        keys = list(keys)
+        for key in keys:
+            self._check_key(key)
+        return keys
+
+    def hold(self, keys: Iterable[OffloadKey]) -> Hold:
+        """Keep keys loadable until the returned :class:`Hold` is released (no I/O, never blocks).
+
+        A scheduler that admits a request on :meth:`prefix_hits` loads the
+        hits a step later; a store in between could evict them, and the load
+        would then fail them. Held keys are not evicted: a key in a CPU slot
+        is pinned there, a key only on NVMe has its row pinned (a load then
+        promotes it as usual). Stores that need room evict other keys, or
+        are rejected when only held ones are left (as vLLM's
+        ``OffloadingManager.prepare_load`` protects blocks until
+        ``complete_load``, and LMCache's ``lookup(pin=True)`` until
+        ``lookup_unpin``). Release it once the load was called (the load
+        pins its keys itself); :meth:`aclose` releases forgotten holds.
+
+        Args:
+            keys: offload keys, e.g. a request's prefix chain, head first.
+
+        Returns:
+            A :class:`Hold`: ``residency`` per key as :meth:`lookup` says,
+            ``prefix_hits``, ``release()``; a context manager.
+
+        Raises:
+            InvalidArgumentError: ``keys`` is not an iterable of :class:`OffloadKey`
+                (``UnknownGroupError``: a key of a group the layout does not
+                have); nothing is held.
+            EngineClosedError: the engine is not open.
+            WrongThreadError: called from another thread or event loop than
+                the engine's (nothing changed).
+
+        """
+        self._check_open()
+        keys = self._key_list(keys)
+        cpu: list[OffloadKey] = []
+        rows: list[Any] = []
+        residency: list[Residency] = []
+        for key in keys:
+            entry = self._pool.get(key)
+            if entry is not None:
+                if entry.writing:
+                    residency.append(Residency.PENDING)
+                else:
+                    self._pool.pin(key)
+                    cpu.append(key)
+                    residency.append(Residency.CPU)
+            elif self._nvme is not None and (ref := self._nvme.hold_row(key)) is not None:
+                rows.append(ref)
+                residency.append(Residency.NVME)
+            else:
+                residency.append(Residency.MISS)
+        held = Hold(self, tuple(keys), tuple(residency), cpu, rows)
+        self._holds.add(held)
+        return held
+
+    def _release_hold(self, held: Hold) -> None:
+        """Unpin what ``held`` pinned (its engine's loop thread; idempotent)."""
+        if held._engine is None:
+            return
+        if self._state in ("open", "starting") and threading.get_ident() != self._thread:
+            raise WrongThreadError(
+                "Hold.release() from another thread than the engine's (use the engine's "
+                "loop thread, or a BackgroundEngine)"
+            )
+        held._engine = None
+        self._holds.discard(held)
+        for key in held._cpu:
+            self._pool.unpin(key)
+        if self._nvme is not None:
+            for ref in held._rows:
+                self._nvme.release_row(ref)
 
     def prefix_hits(self, keys: Iterable[OffloadKey]) -> int:
         """Number of leading keys that a load can serve (``CPU``, ``NVME`` or ``PENDING``).

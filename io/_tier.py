@@ -501,6 +501,20 @@ class NVMeTier:
         """Visible keys, groups in id order, least recently used first."""
         return self._index.keys()
 
+    def hold_row(self, key: OffloadKey) -> RowRef | None:
+        """Pin the row of a visible key against eviction and reuse; None when not visible.
+
+        Undo it with :meth:`release_row` (``TransferEngine.hold``). A row
+        dropped meanwhile (its read failed, the key was discarded) is freed
+        at that release.
+        """
+        entry = self._index.pin(key)
+        return None if entry is None else entry.ref
+
+    def release_row(self, ref: RowRef) -> None:
+        """Undo one :meth:`hold_row`."""
+        self._index.unpin(ref)
+
     def discard(self, key: OffloadKey) -> None:
         """Forget a key; its row becomes free (later, if a read still uses it).
 

@@ -1,0 +1,217 @@
+"""engine.hold(keys): keys a scheduler counted on stay loadable until it loads them.
+
+A serving loop asks ``prefix_hits`` when it admits a request and loads the
+hits a step later; a store in between may evict them, and the load then fails
+(the request must recompute). ``hold`` pins the keys in their CPU slots, and
+the NVMe rows of keys that are only on NVMe, until ``release()`` (as vLLM's
+``OffloadingManager.prepare_load`` protects blocks until ``complete_load``,
+and LMCache's ``lookup(pin=True)`` until ``lookup_unpin``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvtier
+from kvtier.errors import WrongThreadError
+from tests.engine.helpers import fill_random, key
+
+M, P, C, N = (
+    kvtier.Residency.MISS,
+    kvtier.Residency.PENDING,
+    kvtier.Residency.CPU,
+    kvtier.Residency.NVME,
+)
+
+
+def _layout() -> tuple[kvtier.KVLayout, torch.Tensor, int]:
+    t = torch.empty((64, 4096), dtype=torch.uint8)
+    fill_random(t, 11)
+    layout = kvtier.KVLayout.from_tensors({0: {"kv": t}})
+    return layout, t, layout.slot_nbytes(1)
+
+
+def _chain(name: str, n: int, first_block: int) -> list[kvtier.Chunk]:
+    return [kvtier.Chunk(key(f"{name}{i}", 0), [first_block + i]) for i in range(n)]
+
+
+def _keys(chunks: list[kvtier.Chunk]) -> list[kvtier.OffloadKey]:
+    return [c.key for c in chunks]
+
+
+@pytest.mark.parametrize("eviction", ["lru", "arc"])
+async def test_held_cpu_keys_are_never_evicted_until_released(eviction: str) -> None:
+    layout, t, slot = _layout()
+    config = kvtier.EngineConfig(4 * slot, 1, eviction=eviction)
+    async with kvtier.TransferEngine(layout, config) as engine:
+        chain = _chain("a", 3, 0)
+        await engine.store(chain)
+        with engine.hold([*_keys(chain), key("never", 0)]) as held:
+            assert held.residency == (C, C, C, M)
+            assert held.prefix_hits == 3
+            assert engine.stats().slots_pinned == 3
+            # a burst of stores: one free slot, the held keys cannot make room
+            res = await engine.store(_chain("x", 3, 10))
+            assert len(res.stored) == 1
+            assert len(res.rejected) == 2
+            assert engine.lookup(_keys(chain)) == [C, C, C]
+            out = await engine.load([kvtier.Chunk(c.key, [30 + i]) for i, c in enumerate(chain)])
+            assert out.loaded == tuple(_keys(chain))
+            for i in range(3):
+                assert torch.equal(t[30 + i], t[i])
+        assert held.released
+        assert engine.stats().slots_pinned == 0
+        res = await engine.store(_chain("y", 3, 20))  # room again: the chain is evictable
+        assert len(res.stored) == 3
+        assert M in engine.lookup(_keys(chain))
+
+
+async def test_held_nvme_rows_are_never_evicted_until_released(tmp_path: Path) -> None:
+    layout, t, slot = _layout()
+    nvme = kvtier.NVMeConfig(
+        root=tmp_path,
+        capacity_bytes=4096 + 4 * slot,  # one segment header and four rows
+        namespace="hold",
+        segment_nbytes=4096 + 4 * slot,
+    )
+    config = kvtier.EngineConfig(8 * slot, 1, nvme=nvme)
+    chain = _chain("a", 3, 0)
+    async with kvtier.TransferEngine(layout, config) as engine:
+        await engine.store(chain, durable=True)
+    async with kvtier.TransferEngine(layout, config) as engine:
+        held = engine.hold(_keys(chain))
+        assert held.residency == (N, N, N)
+        assert engine.stats().slots_pinned == 0  # rows are held, not slots
+        # four rows: one is free, the next two writes find no row to take
+        with pytest.raises(kvtier.errors.NotDurableError) as info:
+            await engine.store(_chain("x", 3, 10), durable=True)
+        assert len(info.value.failed) == 2
+        assert all(e.kind == "capacity" for e in info.value.failed.values())  # type: ignore[attr-defined]
+        assert engine.lookup(_keys(chain)) == [N, N, N]
+        # a held row is promoted and loaded as usual
+        out = await engine.load([kvtier.Chunk(chain[0].key, [40])])
+        assert out.loaded == (chain[0].key,)
+        assert torch.equal(t[40], t[0])
+        held.release()
+        held.release()  # idempotent
+        res = await engine.store(_chain("y", 2, 20), durable=True)  # rows can be taken again
+        assert len(res.stored) == 2
+        assert engine.stats().nvme["evictions"] == 2
+
+
+async def test_a_key_in_flight_is_reported_pending_and_not_held() -> None:
+    layout, _, slot = _layout()
+    async with kvtier.TransferEngine(layout, kvtier.EngineConfig(4 * slot, 1)) as engine:
+        a = _chain("a", 1, 0)
+        store = asyncio.ensure_future(engine.store(a))
+        await asyncio.sleep(0)  # reserved, the copy not yet done
+        held = engine.hold(_keys(a))
+        assert held.residency == (P,)
+        assert held.prefix_hits == 1  # a load waits for it, as prefix_hits counts it
+        await store
+        assert engine.stats().slots_pinned == 0
+        held.release()
+
+
+async def test_aclose_releases_holds_and_release_after_close_does_nothing(
+    tmp_path: Path,
+) -> None:
+    layout, _, slot = _layout()
+    nvme = kvtier.NVMeConfig(root=tmp_path, capacity_bytes=1 << 24, namespace="close")
+    config = kvtier.EngineConfig(4 * slot, 1, nvme=nvme)
+    chain = _chain("a", 2, 0)
+    async with kvtier.TransferEngine(layout, config) as engine:
+        await engine.store(chain[:1], durable=True)
+    engine = await kvtier.TransferEngine(layout, config).start()
+    await engine.store(chain[1:])
+    held = engine.hold(_keys(chain))
+    assert held.residency == (N, C)
+    await asyncio.wait_for(engine.aclose(), 30)  # a forgotten hold does not block close
+    assert held.released
+    held.release()
+    with pytest.raises(kvtier.EngineClosedError):
+        engine.hold(_keys(chain))
+    # the namespace was released: another engine opens it and finds both keys
+    async with kvtier.TransferEngine(layout, config) as engine:
+        assert engine.lookup(_keys(chain)) == [N, N]
+
+
+async def test_hold_checks_its_keys_and_its_thread() -> None:
+    layout, _, slot = _layout()
+    async with kvtier.TransferEngine(layout, kvtier.EngineConfig(4 * slot, 1)) as engine:
+        await engine.store(_chain("a", 1, 0))
+        with pytest.raises(kvtier.errors.InvalidArgumentError):
+            engine.hold(key("a0", 0))  # type: ignore[arg-type]
+        with pytest.raises(kvtier.errors.UnknownGroupError):
+            engine.hold([key("a0", 0), key("b", 7)])
+        assert engine.stats().slots_pinned == 0  # nothing held by a refused call
+        held = engine.hold([key("a0", 0)])
+        errs: list[BaseException] = []
+
+        def other() -> None:
+            for call in (lambda: engine.hold([key("a0", 0)]), held.release):
+                try:
+                    call()
+                except BaseException as exc:
+                    errs.append(exc)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join(30)
+        assert [type(e) for e in errs] == [WrongThreadError, WrongThreadError]
+        assert not held.released
+        assert engine.stats().slots_pinned == 1
+        held.release()
+        assert engine.stats().slots_pinned == 0
+
+
+def test_background_engine_hold_releases_on_the_engine_thread() -> None:
+    layout, _, slot = _layout()
+    with kvtier.BackgroundEngine(layout, kvtier.EngineConfig(2 * slot, 1)) as engine:
+        a = _chain("a", 1, 0)
+        engine.store(a).result(30)
+        with engine.hold(_keys(a)) as held:
+            assert held.residency == (C,)
+            assert engine.stats().slots_pinned == 1
+            res = engine.store(_chain("x", 2, 10)).result(30)
+            assert len(res.rejected) == 1  # one free slot; the held key stays
+        assert held.released
+        assert engine.stats().slots_pinned == 0
+        assert engine.lookup(_keys(a)) == [C]
+
+
+async def test_a_held_row_that_fails_its_read_is_freed_at_release(tmp_path: Path) -> None:
+    layout, _, slot = _layout()
+    nvme = kvtier.NVMeConfig(
+        root=tmp_path,
+        capacity_bytes=4096 + slot,  # one segment header and one row
+        namespace="zombie",
+        segment_nbytes=4096 + slot,
+    )
+    config = kvtier.EngineConfig(4 * slot, 1, nvme=nvme)
+    a = _chain("a", 1, 0)
+    async with kvtier.TransferEngine(layout, config) as engine:
+        await engine.store(a, durable=True)
+    for seg in tmp_path.rglob("*.kvrows"):  # a's row is row 0 of one of them
+        with open(seg, "r+b") as f:  # flip one payload byte of row 0 (after the 4 KiB header)
+            f.seek(4096 + 7)
+            byte = f.read(1)
+            f.seek(4096 + 7)
+            f.write(bytes([byte[0] ^ 1]))
+    async with kvtier.TransferEngine(layout, config) as engine:
+        held = engine.hold(_keys(a))
+        assert held.residency == (N,)
+        out = await engine.load([kvtier.Chunk(a[0].key, [40])])
+        assert out.failed[a[0].key].kind == "checksum"  # type: ignore[attr-defined]
+        assert engine.lookup(_keys(a)) == [M]
+        # the dropped row is still held: the one row of the tier cannot be taken
+        with pytest.raises(kvtier.errors.NotDurableError):
+            await engine.store(_chain("b", 1, 10), durable=True)
+        held.release()
+        res = await engine.store(_chain("c", 1, 11), durable=True)  # the row is free now
+        assert len(res.stored) == 1
