@@ -85,6 +85,8 @@ class _PreparedStore:
     ready: asyncio.Future[bool]
     result: asyncio.Future[StoreResult]
     durable: bool
+    keys: list[OffloadKey]  # the call's keys, in call order
+    hit: bool  # some present key was touched at the call
 
 
 @dataclass
@@ -505,15 +507,18 @@ class TransferEngine:
         waits for it.
 
         Raises:
-            WrongThreadError: called from another thread than the engine's
-                while it is not closed (nothing changed).
+            WrongThreadError: called from another thread or event loop than
+                the engine's while it is not closed (nothing changed).
 
         """
         if self._state == "new":
             self._state = "closed"
-        if self._state != "closed" and threading.get_ident() != self._thread:
+        if self._state != "closed" and (
+            threading.get_ident() != self._thread or asyncio.get_running_loop() is not self._loop
+        ):
             raise WrongThreadError(
-                f"{type(self).__name__}.aclose() from another thread than the one it started on"
+                f"{type(self).__name__}.aclose() from another thread or event loop than the "
+                "one it started on"
             )
         if self._started is not None and not self._started.done():
             # start() is running, or releasing after a failure: its end comes first
@@ -978,7 +983,15 @@ class TransferEngine:
         self._c.rejected += len(rejected)
         loop = asyncio.get_running_loop()
         prepared = _PreparedStore(
-            by_key, entries, skipped, rejected, loop.create_future(), loop.create_future(), durable
+            by_key,
+            entries,
+            skipped,
+            rejected,
+            loop.create_future(),
+            loop.create_future(),
+            durable,
+            [c.key for c in chunks],
+            bool(hit),
         )
         for entry in entries:
             self._ready[entry.key] = prepared.ready
@@ -1007,12 +1020,15 @@ class TransferEngine:
         # first chunk ends most recently used, so a prefix chain loses its tail first.
         for key in reversed(stored):
             self._pool.commit(key)
+        if stored and p.hit:  # present keys were touched at the call, before these commits
+            self._refresh_tail_first(p.keys, {k for k in p.keys if self._resident(k)})
         if not p.ready.done():  # never cancelled by kvtier; guard against outside hands
             p.ready.set_result(error is None and not cancelled)
-        if stored and self._writer is not None and (self.config.write_through or p.durable):
-            # write_through=False: only durable stores write rows
+        if self._writer is not None and (self.config.write_through or p.durable):
+            # write_through=False: only durable stores write rows. The call's keys on
+            # NVMe are marked tail first once its rows are written (skipped ones too).
             self._writer.enqueue(
-                [(k, p.by_key[k].offset, p.by_key[k].stop) for k in reversed(stored)]
+                [(k, p.by_key[k].offset, p.by_key[k].stop) for k in reversed(stored)], p.keys
             )
         if not p.result.done():
             p.result.set_result(StoreResult(tuple(stored), tuple(p.skipped), tuple(rejected)))
@@ -1348,6 +1364,10 @@ class TransferEngine:
             for key in (*resident, *promoted):
                 self._pool.unpin(key)  # resident and evictable, like a stored key
         return PrefetchResult(tuple(promoted), tuple(resident), failed)
+
+    def _resident(self, key: OffloadKey) -> bool:
+        entry = self._pool.get(key)
+        return entry is not None and not entry.writing
 
     def _refresh_tail_first(self, keys: list[OffloadKey], resident: set[OffloadKey]) -> None:
         """Refresh the ``resident`` ones of a call's ``keys`` from the last to the first.

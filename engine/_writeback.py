@@ -127,16 +127,24 @@ class NVMeWriter:
         tier.on_sync_drop = self._sync_dropped
 
     # ------------------------------------------------------------------ write-through
-    def enqueue(self, items: list[tuple[OffloadKey, int, int]]) -> None:
+    def enqueue(
+        self, items: list[tuple[OffloadKey, int, int]], call: list[OffloadKey] | None = None
+    ) -> None:
         """Pin the slots of resident keys and queue their rows.
 
         Args:
             items: ``(key, start, stop)``: the stored sub-block range of each key.
                 ``self._batch_of[key]`` is then the future of the key's batch.
+            call: the store call's keys in call order (its skipped ones too):
+                once every row of ``items`` was written (or failed), those of
+                them on NVMe are marked used tail first, so the call's first
+                key ends the most recently used row whichever batch ended
+                last (its rows may span batches, written concurrently).
 
         """
         pool = self._engine._pool
         full = -(-_MAX_BATCH_NBYTES // self._engine.slot_nbytes)  # rows of a full batch
+        batches: list[asyncio.Future[Failures]] = []
         for key, start, stop in items:
             batch = self._open
             if batch is None or len(batch.rows) >= full:
@@ -145,6 +153,31 @@ class NVMeWriter:
             self._enqueued += 1
             batch.rows.append((key, start, stop, self._enqueued))
             self._batch_of[key] = batch.done
+            if not batches or batches[-1] is not batch.done:
+                batches.append(batch.done)
+        if call:
+            self._touch_when_written(call, batches)
+
+    def _touch_when_written(
+        self, call: list[OffloadKey], batches: list[asyncio.Future[Failures]]
+    ) -> None:
+        """Mark the call's keys on NVMe used, tail first, once ``batches`` are done."""
+        tier = self._tier
+        left = [len(batches)]
+
+        def touch(_: object = None) -> None:
+            left[0] -= 1
+            if left[0] > 0:
+                return
+            for key in reversed(call):
+                tier.touch(key)  # no-op for a key not (or no longer) on NVMe
+
+        if not batches:
+            left[0] = 1
+            touch()
+            return
+        for fut in batches:
+            fut.add_done_callback(touch)
 
     def _open_batch(self) -> _Batch:
         """Open a batch for new keys; its task writes it once a write slot is free."""

@@ -501,6 +501,14 @@ class NVMeTier:
         """Visible keys, groups in id order, least recently used first."""
         return self._index.keys()
 
+    def touch(self, key: OffloadKey) -> None:
+        """Mark a visible key's row most recently used (no I/O; nothing for another key).
+
+        In memory only: after a restart rows rank by their sequence numbers,
+        that is by when they were written.
+        """
+        self._index.touch(key)
+
     def hold_row(self, key: OffloadKey) -> RowRef | None:
         """Pin the row of a visible key against eviction and reuse; None when not visible.
 
