@@ -70,6 +70,28 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+def one_group(num_blocks: int = 64, seed: int = 11) -> tuple[kvtier.KVLayout, torch.Tensor, int]:
+    """One group of one ``(num_blocks, 4096)`` uint8 tensor filled at random.
+
+    Returns the layout, the tensor and ``slot_nbytes(1)`` (8 KiB: one block
+    and its trailer; one row too).
+    """
+    t = torch.empty((num_blocks, 4096), dtype=torch.uint8)
+    fill_random(t, seed)
+    layout = kvtier.KVLayout.from_tensors({0: {"kv": t}})
+    return layout, t, layout.slot_nbytes(1)
+
+
+def chunk_chain(name: str, n: int, first_block: int, group_id: int = 0) -> list[kvtier.Chunk]:
+    """``n`` one-block chunks ``{name}0 .. {name}{n-1}`` on consecutive blocks, head first."""
+    return [kvtier.Chunk(key(f"{name}{i}", group_id), [first_block + i]) for i in range(n)]
+
+
+def keys_of(chunks: list[kvtier.Chunk]) -> list[kvtier.OffloadKey]:
+    """The chunks' keys, in order."""
+    return [c.key for c in chunks]
+
+
 class Gate:
     """Shared state of the gated RowIO wrappers of one test (one per tier open)."""
 

@@ -19,7 +19,7 @@ import torch
 
 import kvtier
 from kvtier.errors import WrongThreadError
-from tests.engine.helpers import fill_random, key
+from tests.engine.helpers import chunk_chain, key, keys_of, one_group
 
 M, P, C, N = (
     kvtier.Residency.MISS,
@@ -29,50 +29,35 @@ M, P, C, N = (
 )
 
 
-def _layout() -> tuple[kvtier.KVLayout, torch.Tensor, int]:
-    t = torch.empty((64, 4096), dtype=torch.uint8)
-    fill_random(t, 11)
-    layout = kvtier.KVLayout.from_tensors({0: {"kv": t}})
-    return layout, t, layout.slot_nbytes(1)
-
-
-def _chain(name: str, n: int, first_block: int) -> list[kvtier.Chunk]:
-    return [kvtier.Chunk(key(f"{name}{i}", 0), [first_block + i]) for i in range(n)]
-
-
-def _keys(chunks: list[kvtier.Chunk]) -> list[kvtier.OffloadKey]:
-    return [c.key for c in chunks]
-
-
 @pytest.mark.parametrize("eviction", ["lru", "arc"])
 async def test_held_cpu_keys_are_never_evicted_until_released(eviction: str) -> None:
-    layout, t, slot = _layout()
+    layout, t, slot = one_group()
     config = kvtier.EngineConfig(4 * slot, 1, eviction=eviction)
     async with kvtier.TransferEngine(layout, config) as engine:
-        chain = _chain("a", 3, 0)
+        chain = chunk_chain("a", 3, 0)
         await engine.store(chain)
-        with engine.hold([*_keys(chain), key("never", 0)]) as held:
+        with engine.hold([*keys_of(chain), key("never", 0)]) as held:
             assert held.residency == (C, C, C, M)
             assert held.prefix_hits == 3
             assert engine.stats().slots_pinned == 3
             # a burst of stores: one free slot, the held keys cannot make room
-            res = await engine.store(_chain("x", 3, 10))
+            res = await engine.store(chunk_chain("x", 3, 10))
             assert len(res.stored) == 1
             assert len(res.rejected) == 2
-            assert engine.lookup(_keys(chain)) == [C, C, C]
+            assert engine.lookup(keys_of(chain)) == [C, C, C]
             out = await engine.load([kvtier.Chunk(c.key, [30 + i]) for i, c in enumerate(chain)])
-            assert out.loaded == tuple(_keys(chain))
+            assert out.loaded == tuple(keys_of(chain))
             for i in range(3):
                 assert torch.equal(t[30 + i], t[i])
         assert held.released
         assert engine.stats().slots_pinned == 0
-        res = await engine.store(_chain("y", 3, 20))  # room again: the chain is evictable
+        res = await engine.store(chunk_chain("y", 3, 20))  # room again: the chain is evictable
         assert len(res.stored) == 3
-        assert M in engine.lookup(_keys(chain))
+        assert M in engine.lookup(keys_of(chain))
 
 
 async def test_held_nvme_rows_are_never_evicted_until_released(tmp_path: Path) -> None:
-    layout, t, slot = _layout()
+    layout, t, slot = one_group()
     nvme = kvtier.NVMeConfig(
         root=tmp_path,
         capacity_bytes=4096 + 4 * slot,  # one segment header and four rows
@@ -80,37 +65,37 @@ async def test_held_nvme_rows_are_never_evicted_until_released(tmp_path: Path) -
         segment_nbytes=4096 + 4 * slot,
     )
     config = kvtier.EngineConfig(8 * slot, 1, nvme=nvme)
-    chain = _chain("a", 3, 0)
+    chain = chunk_chain("a", 3, 0)
     async with kvtier.TransferEngine(layout, config) as engine:
         await engine.store(chain, durable=True)
     async with kvtier.TransferEngine(layout, config) as engine:
-        held = engine.hold(_keys(chain))
+        held = engine.hold(keys_of(chain))
         assert held.residency == (N, N, N)
         assert engine.stats().slots_pinned == 0  # rows are held, not slots
         # four rows: one is free, the next two writes find no row to take
         with pytest.raises(kvtier.errors.NotDurableError) as info:
-            await engine.store(_chain("x", 3, 10), durable=True)
+            await engine.store(chunk_chain("x", 3, 10), durable=True)
         assert len(info.value.failed) == 2
         assert all(e.kind == "capacity" for e in info.value.failed.values())  # type: ignore[attr-defined]
-        assert engine.lookup(_keys(chain)) == [N, N, N]
+        assert engine.lookup(keys_of(chain)) == [N, N, N]
         # a held row is promoted and loaded as usual
         out = await engine.load([kvtier.Chunk(chain[0].key, [40])])
         assert out.loaded == (chain[0].key,)
         assert torch.equal(t[40], t[0])
         held.release()
         held.release()  # idempotent
-        res = await engine.store(_chain("y", 2, 20), durable=True)  # rows can be taken again
+        res = await engine.store(chunk_chain("y", 2, 20), durable=True)  # rows can be taken again
         assert len(res.stored) == 2
         assert engine.stats().nvme["evictions"] == 2
 
 
 async def test_a_key_in_flight_is_reported_pending_and_not_held() -> None:
-    layout, _, slot = _layout()
+    layout, _, slot = one_group()
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(4 * slot, 1)) as engine:
-        a = _chain("a", 1, 0)
+        a = chunk_chain("a", 1, 0)
         store = asyncio.ensure_future(engine.store(a))
         await asyncio.sleep(0)  # reserved, the copy not yet done
-        held = engine.hold(_keys(a))
+        held = engine.hold(keys_of(a))
         assert held.residency == (P,)
         assert held.prefix_hits == 1  # a load waits for it, as prefix_hits counts it
         await store
@@ -121,30 +106,30 @@ async def test_a_key_in_flight_is_reported_pending_and_not_held() -> None:
 async def test_aclose_releases_holds_and_release_after_close_does_nothing(
     tmp_path: Path,
 ) -> None:
-    layout, _, slot = _layout()
+    layout, _, slot = one_group()
     nvme = kvtier.NVMeConfig(root=tmp_path, capacity_bytes=1 << 24, namespace="close")
     config = kvtier.EngineConfig(4 * slot, 1, nvme=nvme)
-    chain = _chain("a", 2, 0)
+    chain = chunk_chain("a", 2, 0)
     async with kvtier.TransferEngine(layout, config) as engine:
         await engine.store(chain[:1], durable=True)
     engine = await kvtier.TransferEngine(layout, config).start()
     await engine.store(chain[1:])
-    held = engine.hold(_keys(chain))
+    held = engine.hold(keys_of(chain))
     assert held.residency == (N, C)
     await asyncio.wait_for(engine.aclose(), 30)  # a forgotten hold does not block close
     assert held.released
     held.release()
     with pytest.raises(kvtier.EngineClosedError):
-        engine.hold(_keys(chain))
+        engine.hold(keys_of(chain))
     # the namespace was released: another engine opens it and finds both keys
     async with kvtier.TransferEngine(layout, config) as engine:
-        assert engine.lookup(_keys(chain)) == [N, N]
+        assert engine.lookup(keys_of(chain)) == [N, N]
 
 
 async def test_hold_checks_its_keys_and_its_thread() -> None:
-    layout, _, slot = _layout()
+    layout, _, slot = one_group()
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(4 * slot, 1)) as engine:
-        await engine.store(_chain("a", 1, 0))
+        await engine.store(chunk_chain("a", 1, 0))
         with pytest.raises(kvtier.errors.InvalidArgumentError):
             engine.hold(key("a0", 0))  # type: ignore[arg-type]
         with pytest.raises(kvtier.errors.UnknownGroupError):
@@ -171,22 +156,22 @@ async def test_hold_checks_its_keys_and_its_thread() -> None:
 
 
 def test_background_engine_hold_releases_on_the_engine_thread() -> None:
-    layout, _, slot = _layout()
+    layout, _, slot = one_group()
     with kvtier.BackgroundEngine(layout, kvtier.EngineConfig(2 * slot, 1)) as engine:
-        a = _chain("a", 1, 0)
+        a = chunk_chain("a", 1, 0)
         engine.store(a).result(30)
-        with engine.hold(_keys(a)) as held:
+        with engine.hold(keys_of(a)) as held:
             assert held.residency == (C,)
             assert engine.stats().slots_pinned == 1
-            res = engine.store(_chain("x", 2, 10)).result(30)
+            res = engine.store(chunk_chain("x", 2, 10)).result(30)
             assert len(res.rejected) == 1  # one free slot; the held key stays
         assert held.released
         assert engine.stats().slots_pinned == 0
-        assert engine.lookup(_keys(a)) == [C]
+        assert engine.lookup(keys_of(a)) == [C]
 
 
 async def test_a_held_row_that_fails_its_read_is_freed_at_release(tmp_path: Path) -> None:
-    layout, _, slot = _layout()
+    layout, _, slot = one_group()
     nvme = kvtier.NVMeConfig(
         root=tmp_path,
         capacity_bytes=4096 + slot,  # one segment header and one row
@@ -194,7 +179,7 @@ async def test_a_held_row_that_fails_its_read_is_freed_at_release(tmp_path: Path
         segment_nbytes=4096 + slot,
     )
     config = kvtier.EngineConfig(4 * slot, 1, nvme=nvme)
-    a = _chain("a", 1, 0)
+    a = chunk_chain("a", 1, 0)
     async with kvtier.TransferEngine(layout, config) as engine:
         await engine.store(a, durable=True)
     for seg in tmp_path.rglob("*.kvrows"):  # a's row is row 0 of one of them
@@ -204,14 +189,14 @@ async def test_a_held_row_that_fails_its_read_is_freed_at_release(tmp_path: Path
             f.seek(4096 + 7)
             f.write(bytes([byte[0] ^ 1]))
     async with kvtier.TransferEngine(layout, config) as engine:
-        held = engine.hold(_keys(a))
+        held = engine.hold(keys_of(a))
         assert held.residency == (N,)
         out = await engine.load([kvtier.Chunk(a[0].key, [40])])
         assert out.failed[a[0].key].kind == "checksum"  # type: ignore[attr-defined]
-        assert engine.lookup(_keys(a)) == [M]
+        assert engine.lookup(keys_of(a)) == [M]
         # the dropped row is still held: the one row of the tier cannot be taken
         with pytest.raises(kvtier.errors.NotDurableError):
-            await engine.store(_chain("b", 1, 10), durable=True)
+            await engine.store(chunk_chain("b", 1, 10), durable=True)
         held.release()
-        res = await engine.store(_chain("c", 1, 11), durable=True)  # the row is free now
+        res = await engine.store(chunk_chain("c", 1, 11), durable=True)  # the row is free now
         assert len(res.stored) == 1

@@ -28,7 +28,7 @@ import torch
 
 import kvtier
 from kvtier.errors import NotDurableError, WrongThreadError
-from tests.engine.helpers import fill_random, key
+from tests.engine.helpers import chunk_chain, fill_random, key, keys_of, one_group
 
 M, P, C, N = (
     kvtier.Residency.MISS,
@@ -37,21 +37,6 @@ M, P, C, N = (
     kvtier.Residency.NVME,
 )
 BLOCK = 4096  # payload of one block; a slot (and a row) is 8 KiB with its trailer
-
-
-def _layout(nb: int = 64, seed: int = 18) -> tuple[kvtier.KVLayout, torch.Tensor, int]:
-    t = torch.empty((nb, BLOCK), dtype=torch.uint8)
-    fill_random(t, seed)
-    layout = kvtier.KVLayout.from_tensors({0: {"kv": t}})
-    return layout, t, layout.slot_nbytes(1)
-
-
-def _chain(name: str, n: int, first_block: int, group: int = 0) -> list[kvtier.Chunk]:
-    return [kvtier.Chunk(key(f"{name}{i}", group), [first_block + i]) for i in range(n)]
-
-
-def _keys(chunks: list[kvtier.Chunk]) -> list[kvtier.OffloadKey]:
-    return [c.key for c in chunks]
 
 
 def _nvme(root: Path, rows: int | None, slot: int, **kw: Any) -> kvtier.NVMeConfig:
@@ -82,31 +67,31 @@ async def test_a_chain_extended_from_a_resident_head_loses_its_tail_first() -> N
     call's OLDEST key.
 
     The common case: a request's prefix is cached, the store passes the whole chain."""
-    layout, _, slot = _layout()
+    layout, _, slot = one_group()
     config = kvtier.EngineConfig(4 * slot, 1, eviction="lru")
     async with kvtier.TransferEngine(layout, config) as engine:
-        chain = _chain("a", 4, 0)
+        chain = chunk_chain("a", 4, 0)
         await engine.store(chain[:1])  # the head was stored by an earlier request
         res = await engine.store(chain)  # head first, as a scheduler lists it
         assert res.skipped == (chain[0].key,)
-        assert res.stored == tuple(_keys(chain[1:]))
+        assert res.stored == tuple(keys_of(chain[1:]))
         # the pool is full: each new key evicts one; the tail must go first
-        await engine.store(_chain("x", 1, 10))
-        assert engine.lookup(_keys(chain)) == [C, C, C, M]
-        assert engine.prefix_hits(_keys(chain)) == 3
+        await engine.store(chunk_chain("x", 1, 10))
+        assert engine.lookup(keys_of(chain)) == [C, C, C, M]
+        assert engine.prefix_hits(keys_of(chain)) == 3
 
 
 async def test_a_chain_extended_from_a_resident_head_under_arc_keeps_its_head() -> None:
     """The same call under arc: the touched head sits in T2 and outlives the tail."""
-    layout, _, slot = _layout()
+    layout, _, slot = one_group()
     config = kvtier.EngineConfig(4 * slot, 1, eviction="arc")
     async with kvtier.TransferEngine(layout, config) as engine:
-        chain = _chain("a", 4, 0)
+        chain = chunk_chain("a", 4, 0)
         await engine.store(chain[:1])
         await engine.store(chain)
         for i in range(3):
-            await engine.store(_chain(f"x{i}-", 1, 10 + i))
-            assert engine.prefix_hits(_keys(chain)) == 3 - i
+            await engine.store(chunk_chain(f"x{i}-", 1, 10 + i))
+            assert engine.prefix_hits(keys_of(chain)) == 3 - i
 
 
 async def test_nvme_rows_of_a_chain_extended_from_a_stored_head_lose_the_tail_first(
@@ -115,20 +100,20 @@ async def test_nvme_rows_of_a_chain_extended_from_a_stored_head_lose_the_tail_fi
     """Fixed bug (session 18, a strict xfail before): a store that skips a key already on NVMe
     never marks its row, so the new tail rows of the call are newer than its head's row and NVMe
     evicts the head first."""
-    layout, _, slot = _layout()
-    chain = _chain("a", 4, 0)
+    layout, _, slot = one_group()
+    chain = chunk_chain("a", 4, 0)
     # arc keeps the CPU order right (see the test above): only the rows are under test
     config = kvtier.EngineConfig(4 * slot, 1, eviction="arc", nvme=_nvme(tmp_path, 4, slot))
     async with kvtier.TransferEngine(layout, config) as engine:
         await engine.store(chain[:1], durable=True)
         res = await engine.store(chain, durable=True)
-        assert res.stored == tuple(_keys(chain[1:]))
+        assert res.stored == tuple(keys_of(chain[1:]))
         assert engine.stats().nvme["rows_resident"] == 4
         # One new key: the CPU pool evicts a3 (the tail), NVMe evicts one row.
-        await engine.store(_chain("x", 1, 10), durable=True)
-        assert engine.lookup(_keys(chain)) == [C, C, C, M]  # a3's row went too
+        await engine.store(chunk_chain("x", 1, 10), durable=True)
+        assert engine.lookup(keys_of(chain)) == [C, C, C, M]  # a3's row went too
     async with kvtier.TransferEngine(layout, config) as engine:
-        assert engine.lookup(_keys(chain)) == [N, N, N, M]
+        assert engine.lookup(keys_of(chain)) == [N, N, N, M]
 
 
 @pytest.mark.parametrize("eviction", ["lru", "arc"])
@@ -140,8 +125,8 @@ async def test_store_calls_coalesced_in_one_iteration_keep_call_order_then_head_
     On NVMe the two calls' rows go out in one write batch: after a restart
     their sequence numbers must say the same order.
     """
-    layout, _, slot = _layout()
-    a, b = _chain("a", 3, 0), _chain("b", 3, 3)
+    layout, _, slot = one_group()
+    a, b = chunk_chain("a", 3, 0), chunk_chain("b", 3, 3)
     big = kvtier.EngineConfig(16 * slot, 1, nvme=_nvme(tmp_path, 6, slot))
     async with kvtier.TransferEngine(layout, big) as engine:
         ra, rb = await asyncio.gather(engine.store(a), engine.store(b))
@@ -157,16 +142,16 @@ async def test_store_calls_coalesced_in_one_iteration_keep_call_order_then_head_
             (2, [M, M, M], [N, N, N]),
             (3, [M, M, M], [N, N, M]),
         ):
-            await engine.store(_chain(f"x{i}-", 1, 20 + i), durable=True)
-            assert engine.lookup(_keys(a)) == expect_a, i
-            assert engine.lookup(_keys(b)) == expect_b, i
+            await engine.store(chunk_chain(f"x{i}-", 1, 20 + i), durable=True)
+            assert engine.lookup(keys_of(a)) == expect_a, i
+            assert engine.lookup(keys_of(b)) == expect_b, i
     # the CPU pool, in one session: the same order
     small = kvtier.EngineConfig(6 * slot, 1, eviction=eviction)
     async with kvtier.TransferEngine(layout, small) as engine:
         await asyncio.gather(engine.store(a), engine.store(b))
-        await engine.store(_chain("y", 2, 30))
-        assert engine.lookup(_keys(a)) == [C, M, M]
-        assert engine.lookup(_keys(b)) == [C, C, C]
+        await engine.store(chunk_chain("y", 2, 30))
+        assert engine.lookup(keys_of(a)) == [C, M, M]
+        assert engine.lookup(keys_of(b)) == [C, C, C]
 
 
 @pytest.mark.parametrize("eviction", ["lru", "arc"])
@@ -190,7 +175,7 @@ async def test_recency_with_two_groups_partial_chunks_and_repeated_block_ids(
         ]
         res = await engine.store(chain)
         assert len(res.stored) == 4
-        ks = _keys(chain)
+        ks = keys_of(chain)
         for i in range(3):
             await engine.store([kvtier.Chunk(key(f"x{i}", i % 2), [10 + i])])
             assert engine.lookup(ks) == [C] * (4 - i) + [M] * i, i  # one free slot first
@@ -219,7 +204,7 @@ def test_a_call_spanning_two_write_batches_keeps_its_head_newest_on_nvme(tmp_pat
     layout = kvtier.KVLayout.from_tensors({0: {"kv": t}})
     slot = layout.slot_nbytes(1)
     assert slot == 8 << 20
-    chain = _chain("a", 9, 0)
+    chain = chunk_chain("a", 9, 0)
     from tests.reliability._faultio import KeyFault, Wrapper
 
     held = KeyFault("write", "block", hashes=frozenset(c.key.block_hash for c in chain[1:]))
@@ -236,9 +221,9 @@ def test_a_call_spanning_two_write_batches_keeps_its_head_newest_on_nvme(tmp_pat
             assert engine.stats().nvme["rows_resident"] == 9
             # one more key: the CPU pool evicts a8 (its tail), NVMe one row: a8's too
             await engine.store([kvtier.Chunk(key("x", 0), [10])], durable=True)
-            in_session = engine.lookup(_keys(chain))
+            in_session = engine.lookup(keys_of(chain))
         async with kvtier.TransferEngine(layout, config) as engine:
-            after = engine.lookup(_keys(chain))
+            after = engine.lookup(keys_of(chain))
         return in_session, after
 
     in_session, after = asyncio.run(run())
@@ -248,19 +233,19 @@ def test_a_call_spanning_two_write_batches_keeps_its_head_newest_on_nvme(tmp_pat
 
 async def test_a_load_of_held_keys_still_marks_them_head_first(tmp_path: Path) -> None:
     """Hits on held keys still count for recency: pins do not freeze the order."""
-    layout, t, slot = _layout()
-    chain = _chain("a", 3, 0)
+    layout, t, slot = one_group()
+    chain = chunk_chain("a", 3, 0)
     config = kvtier.EngineConfig(4 * slot, 1)
     async with kvtier.TransferEngine(layout, config) as engine:
         for c in chain:  # one call each: a2 is the newest
             await engine.store([c])
-        with engine.hold(_keys(chain)):
+        with engine.hold(keys_of(chain)):
             out = await engine.load([kvtier.Chunk(c.key, [40 + i]) for i, c in enumerate(chain)])
-            assert out.loaded == tuple(_keys(chain))
+            assert out.loaded == tuple(keys_of(chain))
         for i in range(3):
             assert torch.equal(t[40 + i], t[i])
-        await engine.store(_chain("x", 2, 10))  # one free slot, one eviction: a2
-        assert engine.lookup(_keys(chain)) == [C, C, M]
+        await engine.store(chunk_chain("x", 2, 10))  # one free slot, one eviction: a2
+        assert engine.lookup(keys_of(chain)) == [C, C, M]
 
 
 # ====================================================================== WrongThreadError
@@ -270,9 +255,9 @@ def test_aclose_awaited_on_another_loop_of_the_engine_thread_raises(tmp_path: Pa
     """Fixed bug (session 18, a strict xfail before): aclose() checks the thread but not the event
     loop: awaited on a second loop of the engine's thread with write-through in flight it hangs,
     closes the engine and loses the row."""
-    layout, _, slot = _layout()
+    layout, _, slot = one_group()
     config = kvtier.EngineConfig(8 * slot, 1, nvme=_nvme(tmp_path, None, slot))
-    a = _chain("a", 1, 0)
+    a = chunk_chain("a", 1, 0)
     engine = kvtier.TransferEngine(layout, config)
     loop = asyncio.new_event_loop()
     try:
@@ -287,7 +272,7 @@ def test_aclose_awaited_on_another_loop_of_the_engine_thread_raises(tmp_path: Pa
                 asyncio.run(close_elsewhere())
             # nothing changed: the engine works on its own loop and writes the row
             loop.run_until_complete(asyncio.wait_for(engine.flush(), 10))
-            assert engine.lookup(_keys(a)) == [C]
+            assert engine.lookup(keys_of(a)) == [C]
         finally:
             with contextlib.suppress(BaseException):
                 loop.run_until_complete(asyncio.wait_for(engine.aclose(), 10))
@@ -295,7 +280,7 @@ def test_aclose_awaited_on_another_loop_of_the_engine_thread_raises(tmp_path: Pa
 
         async def reopen() -> list[kvtier.Residency]:
             async with reopened:
-                return reopened.lookup(_keys(a))
+                return reopened.lookup(keys_of(a))
 
         assert asyncio.run(reopen()) == [N]
     finally:
@@ -321,9 +306,9 @@ async def test_done_callbacks_on_the_loop_work_executor_threads_raise() -> None:
     The same calls from ``run_in_executor`` (a thread of the loop's pool)
     raise and change nothing, and a foreign release leaves the pins.
     """
-    layout, _, slot = _layout()
+    layout, _, slot = one_group()
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(4 * slot, 1)) as engine:
-        a = _chain("a", 2, 0)
+        a = chunk_chain("a", 2, 0)
         got: list[Any] = []
 
         def on_stored(fut: asyncio.Future[kvtier.StoreResult]) -> None:
@@ -340,9 +325,9 @@ async def test_done_callbacks_on_the_loop_work_executor_threads_raise() -> None:
         assert got[1] == 2
         loop = asyncio.get_running_loop()
         for call in (
-            lambda: engine.hold(_keys(a)),
+            lambda: engine.hold(keys_of(a)),
             held.release,
-            lambda: engine.prefix_hits(_keys(a)),
+            lambda: engine.prefix_hits(keys_of(a)),
         ):
             with pytest.raises(WrongThreadError):
                 await loop.run_in_executor(None, call)
@@ -361,7 +346,7 @@ async def test_prometheus_scrapes_from_another_thread_while_the_loop_works() -> 
     prometheus_client = pytest.importorskip("prometheus_client")
     import kvtier.metrics
 
-    layout, _, slot = _layout()
+    layout, _, slot = one_group()
     registry = prometheus_client.CollectorRegistry()
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(6 * slot, 1)) as engine:
         export = kvtier.metrics.register_prometheus(engine, registry, labels={"rank": "9"})
@@ -385,9 +370,9 @@ async def test_prometheus_scrapes_from_another_thread_while_the_loop_works() -> 
         thread.start()
         try:
             for round_ in range(30):
-                chain = _chain(f"r{round_}-", 3, 3 * (round_ % 10))
+                chain = chunk_chain(f"r{round_}-", 3, 3 * (round_ % 10))
                 await engine.store(chain)
-                with engine.hold(_keys(chain)):
+                with engine.hold(keys_of(chain)):
                     await engine.load([kvtier.Chunk(c.key, [40 + i]) for i, c in enumerate(chain)])
                     await asyncio.sleep(0.001)
         finally:
@@ -399,7 +384,7 @@ async def test_prometheus_scrapes_from_another_thread_while_the_loop_works() -> 
             assert set(s) == {"free", "writing", "resident", "pinned"}, s
             assert sum(s.values()) == 6
         final = prometheus_client.generate_latest(registry).decode()
-        held = engine.hold(_keys(_chain("r29-", 3, 27)))
+        held = engine.hold(keys_of(chunk_chain("r29-", 3, 27)))
         text = prometheus_client.generate_latest(registry).decode()
         assert 'kvtier_slots{rank="9",state="pinned"} 3.0' in text
         assert 'kvtier_slots{rank="9",state="pinned"} 0.0' in final
@@ -410,18 +395,18 @@ async def test_prometheus_scrapes_from_another_thread_while_the_loop_works() -> 
 def test_background_engine_holds_from_callbacks_and_releases_from_many_threads(
     tmp_path: Path,
 ) -> None:
-    layout, _, slot = _layout()
+    layout, _, slot = one_group()
     config = kvtier.EngineConfig(4 * slot, 1, nvme=_nvme(tmp_path, None, slot))
-    chain = _chain("a", 2, 0)
+    chain = chunk_chain("a", 2, 0)
     with kvtier.BackgroundEngine(layout, config) as bg:
         bg.store(chain, durable=True).result(30)
     with kvtier.BackgroundEngine(layout, config) as bg:
-        bg.store(_chain("c", 2, 4)).result(30)
+        bg.store(chunk_chain("c", 2, 4)).result(30)
         holds: list[kvtier.Hold] = []
         done = threading.Event()
 
         def on_done(_: concurrent.futures.Future[Any]) -> None:  # the engine thread
-            holds.append(bg.hold([*_keys(chain), *_keys(_chain("c", 2, 4))]))
+            holds.append(bg.hold([*keys_of(chain), *keys_of(chunk_chain("c", 2, 4))]))
             done.set()
 
         bg.flush().add_done_callback(on_done)
@@ -431,7 +416,7 @@ def test_background_engine_holds_from_callbacks_and_releases_from_many_threads(
         assert bg.stats().slots_pinned == 2
         # the engine proper refuses this thread
         with pytest.raises(WrongThreadError):
-            bg.engine.hold(_keys(chain))
+            bg.engine.hold(keys_of(chain))
         # eight threads release at once: one release happens, the rest do nothing
         barrier = threading.Barrier(8)
         errs: list[BaseException] = []
@@ -455,11 +440,11 @@ def test_background_engine_holds_from_callbacks_and_releases_from_many_threads(
         out = bg.load([kvtier.Chunk(chain[0].key, [30])]).result(30)
         assert out.loaded == (chain[0].key,)
         assert bg.stats().slots_pinned == 0
-        forgotten = bg.hold(_keys(chain))
+        forgotten = bg.hold(keys_of(chain))
     assert forgotten.released  # close released it
     forgotten.release()  # from another thread after close: nothing to do
     with pytest.raises(kvtier.EngineClosedError):
-        bg.hold(_keys(chain))
+        bg.hold(keys_of(chain))
 
 
 # ================================================================================ hold
@@ -468,30 +453,30 @@ def test_background_engine_holds_from_callbacks_and_releases_from_many_threads(
 async def test_holds_that_fill_every_slot_reject_stores_and_promotions_never_hang(
     tmp_path: Path,
 ) -> None:
-    layout, t, slot = _layout()
-    n0 = _chain("n", 1, 20)
+    layout, t, slot = one_group()
+    n0 = chunk_chain("n", 1, 20)
     async with kvtier.TransferEngine(
         layout, kvtier.EngineConfig(4 * slot, 1, nvme=_nvme(tmp_path, 4, slot))
     ) as engine:
         await engine.store(n0, durable=True)
     config = kvtier.EngineConfig(3 * slot, 1, nvme=_nvme(tmp_path, 4, slot))
     async with kvtier.TransferEngine(layout, config) as engine:
-        a = _chain("a", 3, 0)
+        a = chunk_chain("a", 3, 0)
         await engine.store(a, durable=True)  # three slots, four rows: all taken
-        held = engine.hold([*_keys(a), n0[0].key])
+        held = engine.hold([*keys_of(a), n0[0].key])
         assert held.residency == (C, C, C, N)
         assert engine.stats().slots_pinned == 3
-        x = _chain("x", 1, 10)
+        x = chunk_chain("x", 1, 10)
         res = await asyncio.wait_for(engine.store(x), 10)
         assert res.rejected == (x[0].key,)
         res = await asyncio.wait_for(engine.store(x, durable=True), 10)
         assert res.rejected == (x[0].key,)
-        pre = await asyncio.wait_for(engine.prefetch(_keys(n0)), 10)
+        pre = await asyncio.wait_for(engine.prefetch(keys_of(n0)), 10)
         assert set(pre.failed) == {n0[0].key}
         out = await asyncio.wait_for(engine.load([kvtier.Chunk(n0[0].key, [40])]), 10)
         assert set(out.failed) == {n0[0].key}
         # a promotion refused for room is no read failure: the row stays on NVMe
-        assert engine.lookup(_keys(n0)) == [N]
+        assert engine.lookup(keys_of(n0)) == [N]
         assert engine.stats().nvme["rows_resident"] == 4
         assert engine.stats().slots_pinned == 3
         held.release()
@@ -506,38 +491,38 @@ async def test_holds_that_fill_every_slot_reject_stores_and_promotions_never_han
 async def test_a_hold_of_every_row_fails_writes_with_capacity_until_released(
     tmp_path: Path,
 ) -> None:
-    layout, t, slot = _layout()
-    a = _chain("a", 3, 0)
+    layout, t, slot = one_group()
+    a = chunk_chain("a", 3, 0)
     nvme = _nvme(tmp_path, 3, slot)
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(4 * slot, 1, nvme=nvme)) as e:
         await e.store(a, durable=True)
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(4 * slot, 1, nvme=nvme)) as e:
-        held = e.hold(_keys(a))
+        held = e.hold(keys_of(a))
         assert held.residency == (N, N, N)
-        x = _chain("x", 2, 10)
+        x = chunk_chain("x", 2, 10)
         res = await asyncio.wait_for(e.store(x), 10)  # CPU room; rows find none
         assert len(res.stored) == 2
         with pytest.raises(NotDurableError) as info:
             await asyncio.wait_for(e.flush(), 10)
-        assert set(info.value.failed) == set(_keys(x))
-        assert e.lookup(_keys(a)) == [N, N, N]
-        assert e.lookup(_keys(x)) == [C, C]
+        assert set(info.value.failed) == set(keys_of(x))
+        assert e.lookup(keys_of(a)) == [N, N, N]
+        assert e.lookup(keys_of(x)) == [C, C]
         held.release()
         # durable=True writes the CPU keys' rows again, into the released rows
         res = await e.store(x, durable=True)
-        assert res.skipped == tuple(_keys(x))
+        assert res.skipped == tuple(keys_of(x))
         assert e.stats().nvme["rows_resident"] == 3
         assert e.stats().nvme["evictions"] == 2
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(4 * slot, 1, nvme=nvme)) as e:
-        assert e.lookup(_keys(x)) == [N, N]
+        assert e.lookup(keys_of(x)) == [N, N]
         out = await e.load([kvtier.Chunk(x[1].key, [50])])
         assert out.loaded == (x[1].key,)
         assert torch.equal(t[50], t[11])
 
 
 async def test_a_hold_of_duplicate_keys_pins_twice_and_releases_fully(tmp_path: Path) -> None:
-    layout, _, slot = _layout()
-    a, n = _chain("a", 1, 0), _chain("n", 1, 1)
+    layout, _, slot = one_group()
+    a, n = chunk_chain("a", 1, 0), chunk_chain("n", 1, 1)
     nvme = _nvme(tmp_path, 2, slot)
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(4 * slot, 1, nvme=nvme)) as e:
         await e.store(n, durable=True)
@@ -552,7 +537,7 @@ async def test_a_hold_of_duplicate_keys_pins_twice_and_releases_fully(tmp_path: 
         assert held.released
         assert e.stats().slots_pinned == 0
         # both are evictable again: two new durable keys take the slot... and both rows
-        x = _chain("x", 2, 10)
+        x = chunk_chain("x", 2, 10)
         res = await e.store(x, durable=True)
         assert len(res.stored) == 2
         assert e.lookup([k, nk]) == [M, M]
@@ -564,22 +549,22 @@ async def test_hold_with_concurrent_loads_prefetches_and_cancellations_returns_t
     """Held keys loaded, prefetched and cancelled mid-promotion: every pin comes back."""
     from tests.engine.helpers import Gate
 
-    layout, t, slot = _layout()
-    a = _chain("a", 4, 0)
+    layout, t, slot = one_group()
+    a = chunk_chain("a", 4, 0)
     gate = Gate()
     nvme = _nvme(tmp_path, 4, slot, row_io_wrapper=gate.wrap)
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(8 * slot, 1, nvme=nvme)) as e:
         await e.store(a, durable=True)
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(8 * slot, 1, nvme=nvme)) as e:
-        held = e.hold(_keys(a))
+        held = e.hold(keys_of(a))
         assert held.residency == (N,) * 4
         gate.armed = True
         load = asyncio.ensure_future(e.load([kvtier.Chunk(a[0].key, [40])]))
-        pre = asyncio.ensure_future(e.prefetch(_keys(a[1:3])))
-        assert await _until(lambda: e.lookup(_keys(a)) == [P, P, P, N])
+        pre = asyncio.ensure_future(e.prefetch(keys_of(a[1:3])))
+        assert await _until(lambda: e.lookup(keys_of(a)) == [P, P, P, N])
         assert gate.reading.is_set()
         # while promotions are in flight: a hold reports them PENDING and holds nothing new
-        during = e.hold(_keys(a))
+        during = e.hold(keys_of(a))
         assert during.residency == (P, P, P, N)
         load.cancel()
         gate.armed = False
@@ -587,7 +572,7 @@ async def test_hold_with_concurrent_loads_prefetches_and_cancellations_returns_t
         with contextlib.suppress(asyncio.CancelledError):
             await load
         got = await pre
-        assert set(got.promoted) == set(_keys(a[1:3]))
+        assert set(got.promoted) == set(keys_of(a[1:3]))
         during.release()
         # loads of held keys, several at once, into distinct blocks
         outs = await asyncio.gather(
@@ -600,7 +585,7 @@ async def test_hold_with_concurrent_loads_prefetches_and_cancellations_returns_t
         held.release()
         assert e.stats().slots_pinned == 0
         # the rows are free to be taken again: four new durable keys evict all four
-        res = await e.store(_chain("y", 4, 10), durable=True)
+        res = await e.store(chunk_chain("y", 4, 10), durable=True)
         assert len(res.stored) == 4
         assert e.stats().nvme["evictions"] == 4
 
@@ -608,28 +593,28 @@ async def test_hold_with_concurrent_loads_prefetches_and_cancellations_returns_t
 async def test_a_held_row_that_fails_with_eio_stays_pinned_until_release(tmp_path: Path) -> None:
     from tests.reliability._faultio import KeyFault, Wrapper
 
-    layout, _, slot = _layout()
-    a = _chain("a", 2, 0)
+    layout, _, slot = one_group()
+    a = chunk_chain("a", 2, 0)
     fault = KeyFault("read", "errno", hashes=frozenset({a[0].key.block_hash}), times=1)
     wrap = Wrapper()
     nvme = _nvme(tmp_path, 2, slot, row_io_wrapper=wrap)
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(4 * slot, 1, nvme=nvme)) as e:
         await e.store(a, durable=True)
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(4 * slot, 1, nvme=nvme)) as e:
-        held = e.hold(_keys(a))
+        held = e.hold(keys_of(a))
         wrap.faults.append(fault)
         out = await e.load([kvtier.Chunk(a[0].key, [40])])  # alone: one read request
         assert out.failed[a[0].key].kind == "eio"  # type: ignore[attr-defined]
         out = await e.load([kvtier.Chunk(a[1].key, [41])])
         assert out.loaded == (a[1].key,)
-        assert e.lookup(_keys(a)) == [M, C]
+        assert e.lookup(keys_of(a)) == [M, C]
         # a0's dropped row and a1's held row: no row for a new key
-        x = _chain("x", 1, 10)
+        x = chunk_chain("x", 1, 10)
         with pytest.raises(NotDurableError):
             await e.store(x, durable=True)
         held.release()
         held.release()
-        res = await e.store(_chain("y", 1, 11), durable=True)
+        res = await e.store(chunk_chain("y", 1, 11), durable=True)
         assert len(res.stored) == 1
         assert e.stats().slots_pinned == 0
 
@@ -637,8 +622,8 @@ async def test_a_held_row_that_fails_with_eio_stays_pinned_until_release(tmp_pat
 async def test_aclose_hard_with_holds_and_writes_in_flight(tmp_path: Path) -> None:
     from tests.reliability._faultio import KeyFault, Wrapper
 
-    layout, t, slot = _layout()
-    a = _chain("a", 2, 0)
+    layout, t, slot = one_group()
+    a = chunk_chain("a", 2, 0)
     blocked = KeyFault("write", "block")
     wrap = Wrapper()
     nvme = _nvme(tmp_path, None, slot, row_io_wrapper=wrap)
@@ -647,10 +632,10 @@ async def test_aclose_hard_with_holds_and_writes_in_flight(tmp_path: Path) -> No
     e = await kvtier.TransferEngine(layout, kvtier.EngineConfig(8 * slot, 1, nvme=nvme)).start()
     try:
         wrap.faults.append(blocked)
-        b = _chain("b", 2, 4)
+        b = chunk_chain("b", 2, 4)
         await e.store(b)  # write-through waits at the blocked write
         await _until(lambda: blocked.hits > 0, 10)
-        held = e.hold([*_keys(a), *_keys(b)])
+        held = e.hold([*keys_of(a), *keys_of(b)])
         assert held.residency == (N, N, C, C)
         closing = asyncio.ensure_future(e.aclose(hard=True))
         await asyncio.sleep(0.05)
@@ -662,7 +647,7 @@ async def test_aclose_hard_with_holds_and_writes_in_flight(tmp_path: Path) -> No
         await e.aclose()
     held.release()
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(8 * slot, 1, nvme=nvme)) as e:
-        assert e.lookup(_keys(a)) == [N, N]
+        assert e.lookup(keys_of(a)) == [N, N]
         out = await e.load([kvtier.Chunk(a[1].key, [50])])
         assert out.loaded == (a[1].key,)
         assert torch.equal(t[50], t[1])
@@ -696,11 +681,11 @@ async def test_held_rows_with_an_eviction_window_pass_to_other_keys(tmp_path: Pa
     async with kvtier.TransferEngine(layout, config) as e:
         assert e.stats().nvme["rows_resident"] == 64
         # hold the oldest eight of group 0 (p0..p7): the window would take one of them
-        held = e.hold(_keys(g0[:8]))
+        held = e.hold(keys_of(g0[:8]))
         assert held.residency == (N,) * 8
         for j in range(6):
             await e.store([kvtier.Chunk(key(f"z{j}", 0), [40 + j])], durable=True)
-        assert e.lookup(_keys(g0[:8])) == [N] * 8
+        assert e.lookup(keys_of(g0[:8])) == [N] * 8
         held.release()
         await e.store([kvtier.Chunk(key("z-last", 0), [50])], durable=True)
         assert e.stats().nvme["evictions"] == 7
@@ -722,13 +707,13 @@ def _child_config(root: str, slot: int) -> kvtier.EngineConfig:
 
 
 async def _child(root: str) -> None:
-    layout, _, slot = _layout(seed=99)
+    layout, _, slot = one_group(seed=99)
     config = _child_config(root, slot)
-    held_chain = _chain("h", 4, 0)
+    held_chain = chunk_chain("h", 4, 0)
     async with kvtier.TransferEngine(layout, config) as engine:
         await engine.store(held_chain, durable=True)
     async with kvtier.TransferEngine(layout, config) as engine:
-        held = engine.hold(_keys(held_chain))
+        held = engine.hold(keys_of(held_chain))
         assert held.residency == (N,) * 4, held.residency
         print("ready", flush=True)
         i = 0
@@ -747,13 +732,13 @@ def test_sigkill_while_rows_are_held_reopens_with_every_row_right(tmp_path: Path
     err = tmp_path / "child.err"
     alive = kill_child(["tests.engine.test_review_hold18", "child", str(root)], err, delay=0.6)
     assert alive, err.read_text()[-3000:]
-    layout2, t, slot = _layout(seed=99)  # the child's bytes (it loads into block 60 only)
+    layout2, t, slot = one_group(seed=99)  # the child's bytes (it loads into block 60 only)
     config = _child_config(str(root), slot)
     ref = t.clone()
 
     async def reopen() -> tuple[int, int]:
         async with kvtier.TransferEngine(layout2, config) as engine:
-            held = _keys(_chain("h", 4, 0))
+            held = keys_of(chunk_chain("h", 4, 0))
             assert engine.lookup(held) == [N] * 4
             checked = 0
             names = [("h", i, i) for i in range(4)] + [("w", i, 8 + i % 40) for i in range(20000)]
