@@ -1185,7 +1185,8 @@ class TransferEngine:
         their own bytes, never other bytes. Loads issued in the same
         event-loop iteration are coalesced into one job. Hits (and promoted
         keys) are marked used tail first, so the call's first chunk ends the
-        most recently used key, in the CPU slots and on NVMe.
+        most recently used key in the CPU slots (and, of the rows it read,
+        on NVMe; a CPU hit does not touch the key's row).
 
         Calls that write the same GPU bytes land in call order (the later
         call's bytes are left): a call into a block that an earlier call,
