@@ -243,10 +243,15 @@ class Hold:
 
     @property
     def prefix_hits(self) -> int:
-        """Leading keys a load could serve at the call (see :meth:`TransferEngine.prefix_hits`)."""
+        """Leading keys this hold holds (``CPU`` or ``NVME``).
+
+        Unlike :meth:`TransferEngine.prefix_hits` it stops at a ``PENDING``
+        key too: a key whose store is in flight is not held, and may be
+        evicted before the load.
+        """
         n = 0
         for residency in self.residency:
-            if residency is Residency.MISS:
+            if residency is not Residency.CPU and residency is not Residency.NVME:
                 break
             n += 1
         return n
@@ -950,6 +955,11 @@ class TransferEngine:
         chunks = self._validate(chunks, load=False)
         after = self._mark(after)
         prepared = self._prepare_store(chunks, durable, after)
+        if prepared.result.done():
+            # Nothing to copy (every key skipped or rejected): yield once all the
+            # same, so that a caller retrying rejected stores in a loop cannot
+            # starve the NVMe writes whose end frees the slots.
+            await asyncio.sleep(0)
         # Cancelled here, ``prepared.result`` is cancelled too: _store_copied
         # then frees the slots once the copy has ended.
         result = await prepared.result
@@ -1245,6 +1255,7 @@ class TransferEngine:
             pinned, failed = self._pin_resident(chunks)
             failed.update(not_stored)
             if not pinned:
+                await asyncio.sleep(0)  # every key failed: yield, as a store that copies nothing
                 return LoadResult((), failed)
             pending = self._submit_load(pinned, failed, after)
             try:

@@ -240,10 +240,11 @@ class EngineStats:
             in flight; not readable yet.
         slots_resident: slots holding a key that may be evicted now.
         slots_pinned: slots holding a key that may not be evicted now: a
-            load copies from it, or its NVMe row is queued or being written
-            (write-through). A store that finds every slot writing or pinned
-            rejects its keys; ``await engine.flush()`` waits until the rows
-            are written and their slots evictable again.
+            load copies from it, its NVMe row is queued or being written
+            (write-through), or a :class:`~kvtier.Hold` holds it. A store
+            that finds every slot writing or pinned rejects its keys;
+            ``await engine.flush()`` waits until the rows are written and
+            their slots evictable again.
         keys_per_group: resident keys per group id (pinned included; keys whose
             store is still copying are not).
         payload_nbytes: payload bytes of the keys in slots.
