@@ -209,12 +209,14 @@ def _written_twice(chunks: Sequence[Chunk], group_id: int) -> int:
 
 
 class Hold:
-    """Keys that :meth:`TransferEngine.hold` keeps loadable until :meth:`release`.
+    """Keys that :meth:`TransferEngine.hold` keeps from eviction until :meth:`release`.
 
     A key in a CPU slot is pinned there (``EngineStats.slots_pinned`` counts
     it) and a key only on NVMe has its row pinned: neither is evicted, nor
-    its slot or row reused, until the hold is released. A context manager:
-    ``with engine.hold(keys) as held: ...`` releases on exit.
+    its slot or row reused, until the hold is released. A held NVMe-only key
+    keeps its row, not a CPU slot: its load still needs a free or evictable
+    slot to promote it into. A context manager: ``with engine.hold(keys) as
+    held: ...`` releases on exit.
 
     Attributes:
         keys: the keys asked for, in call order.
@@ -714,18 +716,19 @@ class TransferEngine:
         return keys
 
     def hold(self, keys: Iterable[OffloadKey]) -> Hold:
-        """Keep keys loadable until the returned :class:`Hold` is released (no I/O, never blocks).
+        """Keep keys from eviction until the returned :class:`Hold` is released (no I/O).
 
         A scheduler that admits a request on :meth:`prefix_hits` loads the
         hits a step later; a store in between could evict them, and the load
         would then fail them. Held keys are not evicted: a key in a CPU slot
         is pinned there, a key only on NVMe has its row pinned (a load then
-        promotes it as usual). Stores that need room evict other keys, or
+        promotes it as usual, into a free or evictable slot; with every slot
+        pinned that key fails). Stores that need room evict other keys, or
         are rejected when only held ones are left (as vLLM's
         ``OffloadingManager.prepare_load`` protects blocks until
         ``complete_load``, and LMCache's ``lookup(pin=True)`` until
-        ``lookup_unpin``). Release it once the load was called (the load
-        pins its keys itself); :meth:`aclose` releases forgotten holds.
+        ``lookup_unpin``). Release it after the load returned (a ``with``
+        block around the load does); :meth:`aclose` releases forgotten holds.
 
         Args:
             keys: offload keys, e.g. a request's prefix chain, head first.
