@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -208,6 +209,11 @@ def _written_twice(chunks: Sequence[Chunk], group_id: int) -> int:
     raise AssertionError("no block is written twice")  # pragma: no cover
 
 
+def _leading(residency: Iterable[Residency], counted: tuple[Residency, ...]) -> int:
+    """How many leading entries of ``residency`` are in ``counted`` (a prefix hit count)."""
+    return sum(1 for _ in itertools.takewhile(lambda r: r in counted, residency))
+
+
 class Hold:
     """Keys that :meth:`TransferEngine.hold` keeps from eviction until :meth:`release`.
 
@@ -251,12 +257,7 @@ class Hold:
         key too: a key whose store is in flight is not held, and may be
         evicted before the load.
         """
-        n = 0
-        for residency in self.residency:
-            if residency is not Residency.CPU and residency is not Residency.NVME:
-                break
-            n += 1
-        return n
+        return _leading(self.residency, (Residency.CPU, Residency.NVME))
 
     @property
     def released(self) -> bool:
@@ -520,13 +521,8 @@ class TransferEngine:
         """
         if self._state == "new":
             self._state = "closed"
-        if self._state != "closed" and (
-            threading.get_ident() != self._thread or asyncio.get_running_loop() is not self._loop
-        ):
-            raise WrongThreadError(
-                f"{type(self).__name__}.aclose() from another thread or event loop than the "
-                "one it started on"
-            )
+        if self._state != "closed":
+            self._check_thread("aclose()", loop=True)
         if self._started is not None and not self._started.done():
             # start() is running, or releasing after a failure: its end comes first
             self._close_requested = True
@@ -643,31 +639,35 @@ class TransferEngine:
             return None
         return _record_event(self.layout.device)  # pragma: no cover - CUDA hosts only
 
-    def _check_open(self) -> None:
+    def _check_open(self, *, loop: bool = False) -> None:
         """Raise unless the engine is open and called from the thread it started on.
+
+        Args:
+            loop: also require the event loop it started on (its coroutines).
 
         Raises:
             EngineClosedError: the engine is not open.
-            WrongThreadError: called from another thread than the engine's loop's.
+            WrongThreadError: called from another thread (or event loop).
         """
         if self._state != "open":
             hint = ""
             if self._state == "new":
                 hint = " (start it first: `async with engine:` or `await engine.start()`)"
             raise EngineClosedError(f"engine is {self._state}; no call is accepted{hint}")
-        if threading.get_ident() != self._thread:
-            raise WrongThreadError(
-                f"{type(self).__name__} was started on another thread: call it only from its "
-                "event loop's thread (a synchronous serving loop uses kvtier.BackgroundEngine)"
-            )
+        self._check_thread("a call", loop=loop)
 
-    def _check_loop(self) -> None:
-        """Raise :class:`WrongThreadError` unless running on the loop the engine started on."""
-        if asyncio.get_running_loop() is not self._loop:
-            raise WrongThreadError(
-                f"{type(self).__name__} was started on another event loop: await its calls "
-                "only on that loop"
-            )
+    def _check_thread(self, what: str, *, loop: bool = False) -> None:
+        """Raise :class:`WrongThreadError` off the thread (``loop``: the loop) start() ran on."""
+        if threading.get_ident() != self._thread:
+            where = "thread"
+        elif loop and asyncio.get_running_loop() is not self._loop:
+            where = "event loop"
+        else:
+            return
+        raise WrongThreadError(
+            f"{type(self).__name__}: {what} from another {where} than the one it started on "
+            "(call it only there; a synchronous serving loop uses kvtier.BackgroundEngine)"
+        )
 
     # ------------------------------------------------------------------ queries
     def lookup(self, keys: Iterable[OffloadKey]) -> list[Residency]:
@@ -773,11 +773,8 @@ class TransferEngine:
         """Unpin what ``held`` pinned (its engine's loop thread; idempotent)."""
         if held._engine is None:
             return
-        if self._state in ("open", "starting") and threading.get_ident() != self._thread:
-            raise WrongThreadError(
-                "Hold.release() from another thread than the engine's (use the engine's "
-                "loop thread, or a BackgroundEngine)"
-            )
+        if self._state in ("open", "starting"):
+            self._check_thread("Hold.release()")
         held._engine = None
         self._holds.discard(held)
         for key in held._cpu:
@@ -800,12 +797,7 @@ class TransferEngine:
                 the engine's (nothing changed).
 
         """
-        n = 0
-        for residency in self.lookup(keys):
-            if residency is Residency.MISS:
-                break
-            n += 1
-        return n
+        return _leading(self.lookup(keys), (Residency.CPU, Residency.NVME, Residency.PENDING))
 
     # ------------------------------------------------------------------ validation
     def _check_key(self, key: object) -> None:
@@ -949,8 +941,7 @@ class TransferEngine:
             StorageError: ``durable`` and the ``fdatasync`` failed (see :meth:`flush`).
 
         """
-        self._check_open()
-        self._check_loop()
+        self._check_open(loop=True)
         if not isinstance(durable, bool):
             raise InvalidArgumentError(f"store(durable=...) must be a bool, got {durable!r}")
         if durable and self.config.nvme is None:
@@ -1239,8 +1230,7 @@ class TransferEngine:
                 the engine's (nothing changed).
 
         """
-        self._check_open()
-        self._check_loop()
+        self._check_open(loop=True)
         chunks = self._validate(chunks, load=True)
         after = self._mark(after)
         not_stored: dict[OffloadKey, BaseException] = {}
@@ -1322,8 +1312,7 @@ class TransferEngine:
                 the engine's (nothing changed).
 
         """
-        self._check_open()
-        self._check_loop()
+        self._check_open(loop=True)
         if isinstance(keys, OffloadKey | str | bytes) or not isinstance(keys, Sequence):
             raise InvalidArgumentError(
                 f"keys must be a sequence of kvtier.OffloadKey, got {type(keys).__name__}"
@@ -1652,8 +1641,7 @@ class TransferEngine:
         waiting for the same rows are not affected.
 
         """
-        self._check_open()
-        self._check_loop()
+        self._check_open(loop=True)
         if self._writer is not None:
             await self._writer.flush()
 
