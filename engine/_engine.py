@@ -9,6 +9,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -222,7 +223,11 @@ class Hold:
     its slot or row reused, until the hold is released. A held NVMe-only key
     keeps its row, not a CPU slot: its load still needs a free or evictable
     slot to promote it into. A context manager: ``with engine.hold(keys) as
-    held: ...`` releases on exit.
+    held: ...`` releases on exit. A hold that is garbage-collected before
+    its release (the last reference dropped, e.g. by a request aborted
+    between its admission and its load) is released then, on the engine's
+    loop, with a warning in the ``kvtier`` log: a forgotten hold does not pin
+    its keys for the rest of the engine's life.
 
     Attributes:
         keys: the keys asked for, in call order.
@@ -231,7 +236,7 @@ class Hold:
             ``MISS`` ones are not.
     """
 
-    __slots__ = ("_cpu", "_engine", "_release_fn", "_rows", "keys", "residency")
+    __slots__ = ("__weakref__", "_cpu", "_engine", "_release_fn", "_rows", "keys", "residency")
 
     def __init__(
         self,
@@ -289,6 +294,11 @@ class Hold:
     def __repr__(self) -> str:
         state = "released" if self.released else "held"
         return f"<kvtier.Hold of {len(self.keys)} keys, {state}>"
+
+    def __del__(self) -> None:
+        engine = self._engine
+        if engine is not None:  # dropped unreleased: the engine releases its pins
+            engine._hold_dropped(len(self.keys), self._cpu, self._rows)
 
 
 class TransferEngine:
@@ -364,7 +374,9 @@ class TransferEngine:
         # Load calls that wait before they submit: later loads of their pages wait for them.
         self._load_turns: list[_LoadTurn] = []
         self._tasks: set[asyncio.Future[Any]] = set()
-        self._holds: set[Hold] = set()  # not yet released (aclose releases them)
+        # Holds not yet released (aclose releases them). Weak: a dropped hold
+        # is garbage-collected, and its __del__ has the engine release its pins.
+        self._holds: weakref.WeakSet[Hold] = weakref.WeakSet()
         self._close_task: asyncio.Task[None] | None = None
         # While start() runs: its end (set once it returned or raised), and
         # whether aclose() asked it to stop at its next step.
@@ -728,7 +740,8 @@ class TransferEngine:
         ``OffloadingManager.prepare_load`` protects blocks until
         ``complete_load``, and LMCache's ``lookup(pin=True)`` until
         ``lookup_unpin``). Release it after the load returned (a ``with``
-        block around the load does); :meth:`aclose` releases forgotten holds.
+        block around the load does); a hold garbage-collected unreleased is
+        released then (with a warning), and :meth:`aclose` releases the rest.
 
         Args:
             keys: offload keys, e.g. a request's prefix chain, head first.
@@ -777,11 +790,35 @@ class TransferEngine:
             self._check_thread("Hold.release()")
         held._engine = None
         self._holds.discard(held)
-        for key in held._cpu:
+        self._release_pins(held._cpu, held._rows)
+
+    def _release_pins(self, cpu: list[OffloadKey], rows: list[Any]) -> None:
+        """Unpin a hold's slots and rows (loop thread); nothing once the engine closed."""
+        if self._state == "closed":
+            return  # the pool and the tier are gone
+        for key in cpu:
             self._pool.unpin(key)
         if self._nvme is not None:
-            for ref in held._rows:
+            for ref in rows:
                 self._nvme.release_row(ref)
+
+    def _hold_dropped(self, n: int, cpu: list[OffloadKey], rows: list[Any]) -> None:
+        """A :class:`Hold` was garbage-collected unreleased: release its pins on the loop.
+
+        Runs in ``Hold.__del__``, on whatever thread dropped the last
+        reference, possibly in the middle of the engine's own code: the
+        release is scheduled on the loop (thread-safe), never run here.
+        """
+        loop = self._loop
+        if loop is None or self._state == "closed":
+            return
+        with contextlib.suppress(Exception):  # a closed loop, interpreter shutdown
+            log.warning(
+                "a kvtier.Hold of %d keys was garbage-collected without release(): "
+                "releasing it (call release() or use it as a context manager)",
+                n,
+            )
+            loop.call_soon_threadsafe(self._release_pins, cpu, rows)
 
     def prefix_hits(self, keys: Iterable[OffloadKey]) -> int:
         """Number of leading keys that a load can serve (``CPU``, ``NVME`` or ``PENDING``).
