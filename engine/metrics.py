@@ -81,6 +81,9 @@ def _samples(s: Any) -> Iterator[tuple[str, str, str, dict[str, str], float]]:
             if k.startswith("failures_"):
                 kind = {"kind": k.removeprefix("failures_")}
                 yield "counter", "nvme_failures", "NVMe failures by kind", kind, float(v)
+        pinned = float(nvme.get("rows_pinned", 0))
+        doc = "NVMe rows that may not be evicted now (reads in flight, holds)"
+        yield "gauge", "nvme_rows_pinned", doc, {}, pinned
         used = float(nvme.get("bytes_used", 0))
         yield "gauge", "nvme_bytes_used", "bytes of NVMe rows in use", {}, used
         fallback = float(nvme.get("direct_io_fallback", 0))

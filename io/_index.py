@@ -780,6 +780,11 @@ class RowIndex:
     def __len__(self) -> int:
         return len(self._lru)
 
+    @property
+    def rows_pinned(self) -> int:
+        """Rows pinned now (by reads in flight and holds), dropped ones included."""
+        return len(self._pins)
+
     def pin(self, key: OffloadKey) -> RowEntry | None:
         """Look up a visible key and pin its row against eviction and reuse until :meth:`unpin`."""
         entry = self._lru.get(key)

@@ -535,7 +535,9 @@ class NVMeTier:
     def stats(self) -> dict[str, int | float | bool | str]:
         """Counters: bytes in bytes, times in seconds (summed over calls).
 
-        Keys: ``rows_resident``, ``bytes_used`` (rows of visible keys and
+        Keys: ``rows_resident``, ``rows_pinned`` (rows that may not be
+        evicted or reused now: read by a load or prefetch in flight, or held
+        by ``TransferEngine.hold``), ``bytes_used`` (rows of visible keys and
         writes in flight; ``<= capacity_bytes``), ``capacity_bytes``,
         ``bytes_allocated`` (rows allocated in segment files, free ones
         and growths in flight included), ``read_bytes``, ``read_seconds``,
@@ -558,6 +560,7 @@ class NVMeTier:
         }
         out.update(
             rows_resident=len(self._index),
+            rows_pinned=self._index.rows_pinned,
             bytes_used=self._index.bytes_used,
             capacity_bytes=self._index.capacity_bytes,
             bytes_allocated=self._index.allocated_nbytes,

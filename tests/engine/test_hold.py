@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 import kvtier
 from kvtier.errors import WrongThreadError
+from kvtier.metrics import register_prometheus
 from tests.engine.helpers import chunk_chain, key, keys_of, one_group
 
 M, P, C, N = (
@@ -72,6 +74,10 @@ async def test_held_nvme_rows_are_never_evicted_until_released(tmp_path: Path) -
         held = engine.hold(keys_of(chain))
         assert held.residency == (N, N, N)
         assert engine.stats().slots_pinned == 0  # rows are held, not slots
+        assert engine.stats().nvme["rows_pinned"] == 3
+        registry = CollectorRegistry()
+        register_prometheus(engine, registry)
+        assert registry.get_sample_value("kvtier_nvme_rows_pinned") == 3
         # four rows: one is free, the next two writes find no row to take
         with pytest.raises(kvtier.errors.NotDurableError) as info:
             await engine.store(chunk_chain("x", 3, 10), durable=True)
@@ -84,6 +90,8 @@ async def test_held_nvme_rows_are_never_evicted_until_released(tmp_path: Path) -
         assert torch.equal(t[40], t[0])
         held.release()
         held.release()  # idempotent
+        assert engine.stats().nvme["rows_pinned"] == 0
+        assert registry.get_sample_value("kvtier_nvme_rows_pinned") == 0
         res = await engine.store(chunk_chain("y", 2, 20), durable=True)  # rows can be taken again
         assert len(res.stored) == 2
         assert engine.stats().nvme["evictions"] == 2

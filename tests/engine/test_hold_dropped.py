@@ -96,9 +96,11 @@ async def test_a_dropped_hold_releases_its_nvme_rows(tmp_path: Path) -> None:
     async with kvtier.TransferEngine(layout, config) as engine:
         held = engine.hold(keys_of(chain))
         assert held.residency == (N, N, N)
+        assert engine.stats().nvme["rows_pinned"] == 3
         del held
         gc.collect()
         await _settle()
+        assert engine.stats().nvme["rows_pinned"] == 0
         # every row can be taken again: three writes evict the three keys
         res = await engine.store(chunk_chain("y", 4, 20), durable=True)
         assert len(res.stored) == 4
