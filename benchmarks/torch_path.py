@@ -42,8 +42,10 @@ NUMPY_PATH = kvtier._engine.host_pieces
 BATCHED = kvtier._transfer._run_torch
 
 
-def _per_chunk(plan: Sequence[kvtier._transfer.ChunkCopy], store: bool) -> None:
-    for copy in plan:
+def _per_chunk(
+    plan: Sequence[kvtier._transfer.ChunkCopy], store: bool, aliasing: object = None
+) -> None:
+    for copy in plan:  # called as _run_torch(plan, store, aliasing)
         kvtier._transfer._torch_chunk(copy, store)
 
 
@@ -65,6 +67,7 @@ async def _pass(
             for b in _batches(chunks, batch):
                 res = await getattr(engine, direction)(b)
                 assert not getattr(res, "failed", None), res
+                assert not getattr(res, "rejected", None), f"{direction} rejected keys: {res}"
             out[direction] = 1e6 * (time.perf_counter() - t0) / len(chunks)
     return out
 
