@@ -226,8 +226,10 @@ class Hold:
     held: ...`` releases on exit. A hold that is garbage-collected before
     its release (the last reference dropped, e.g. by a request aborted
     between its admission and its load) is released then, on the engine's
-    loop, with a warning in the ``kvtier`` log: a forgotten hold does not pin
-    its keys for the rest of the engine's life.
+    loop: a forgotten hold does not pin its keys for the rest of the
+    engine's life (``EngineStats.holds_dropped`` counts them; the first is
+    logged as a warning). A hold cannot be copied or pickled (a copy would
+    release the same pins).
 
     Attributes:
         keys: the keys asked for, in call order.
@@ -236,7 +238,7 @@ class Hold:
             ``MISS`` ones are not.
     """
 
-    __slots__ = ("__weakref__", "_cpu", "_engine", "_release_fn", "_rows", "keys", "residency")
+    __slots__ = ("__weakref__", "_engine", "_pins", "_release_fn", "keys", "residency")
 
     def __init__(
         self,
@@ -247,8 +249,7 @@ class Hold:
         rows: list[Any],
     ) -> None:
         self._engine: TransferEngine | None = engine
-        self._cpu = cpu
-        self._rows = rows
+        self._pins = _Pins(cpu, rows)
         self.keys = keys
         self.residency = residency
         # BackgroundEngine routes the release to its engine thread.
@@ -295,10 +296,35 @@ class Hold:
         state = "released" if self.released else "held"
         return f"<kvtier.Hold of {len(self.keys)} keys, {state}>"
 
+    def __copy__(self) -> Hold:
+        raise TypeError("a kvtier.Hold cannot be copied: each hold is released once")
+
+    def __deepcopy__(self, memo: object) -> Hold:
+        raise TypeError("a kvtier.Hold cannot be copied: each hold is released once")
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a kvtier.Hold cannot be pickled: its pins live in one engine")
+
     def __del__(self) -> None:
+        # Dropped unreleased: the engine releases its pins on its loop. No
+        # module globals here: at interpreter shutdown they may be None already.
         engine = self._engine
-        if engine is not None:  # dropped unreleased: the engine releases its pins
-            engine._hold_dropped(len(self.keys), self._cpu, self._rows)
+        if engine is not None:
+            try:  # noqa: SIM105 - contextlib may be None at interpreter shutdown
+                engine._hold_dropped(self._pins)
+            except Exception:  # a closed loop; interpreter shutdown
+                pass
+
+
+class _Pins:
+    """What one :class:`Hold` pinned, released once (on the engine's loop thread)."""
+
+    __slots__ = ("cpu", "released", "rows")
+
+    def __init__(self, cpu: list[OffloadKey], rows: list[Any]) -> None:
+        self.cpu = cpu
+        self.rows = rows
+        self.released = False
 
 
 class TransferEngine:
@@ -377,6 +403,7 @@ class TransferEngine:
         # Holds not yet released (aclose releases them). Weak: a dropped hold
         # is garbage-collected, and its __del__ has the engine release its pins.
         self._holds: weakref.WeakSet[Hold] = weakref.WeakSet()
+        self._holds_dropped = 0  # holds garbage-collected unreleased (then released)
         self._close_task: asyncio.Task[None] | None = None
         # While start() runs: its end (set once it returned or raised), and
         # whether aclose() asked it to stop at its next step.
@@ -790,35 +817,52 @@ class TransferEngine:
             self._check_thread("Hold.release()")
         held._engine = None
         self._holds.discard(held)
-        self._release_pins(held._cpu, held._rows)
+        self._release_pins(held._pins)
 
-    def _release_pins(self, cpu: list[OffloadKey], rows: list[Any]) -> None:
-        """Unpin a hold's slots and rows (loop thread); nothing once the engine closed."""
+    def _release_pins(self, pins: _Pins) -> bool:
+        """Unpin a hold's slots and rows once (loop thread); False if done already.
+
+        Both ways a hold ends (:meth:`_release_hold`, and a garbage-collected
+        hold's scheduled :meth:`_release_dropped`) come here, so that a hold
+        that :meth:`aclose` releases while its ``__del__`` runs on another
+        thread is released once. Nothing is unpinned once the engine closed.
+        """
+        if pins.released:
+            return False
+        pins.released = True
         if self._state == "closed":
-            return  # the pool and the tier are gone
-        for key in cpu:
+            return True  # the pool and the tier are gone
+        for key in pins.cpu:
             self._pool.unpin(key)
         if self._nvme is not None:
-            for ref in rows:
+            for ref in pins.rows:
                 self._nvme.release_row(ref)
+        return True
 
-    def _hold_dropped(self, n: int, cpu: list[OffloadKey], rows: list[Any]) -> None:
+    def _hold_dropped(self, pins: _Pins) -> None:
         """A :class:`Hold` was garbage-collected unreleased: release its pins on the loop.
 
         Runs in ``Hold.__del__``, on whatever thread dropped the last
         reference, possibly in the middle of the engine's own code: the
-        release is scheduled on the loop (thread-safe), never run here.
+        release is scheduled on the loop (thread-safe), never run here, and
+        nothing is logged here (a handler could block or raise).
         """
         loop = self._loop
-        if loop is None or self._state == "closed":
-            return
-        with contextlib.suppress(Exception):  # a closed loop, interpreter shutdown
-            log.warning(
-                "a kvtier.Hold of %d keys was garbage-collected without release(): "
-                "releasing it (call release() or use it as a context manager)",
-                n,
-            )
-            loop.call_soon_threadsafe(self._release_pins, cpu, rows)
+        if loop is not None and self._state != "closed":
+            loop.call_soon_threadsafe(self._release_dropped, pins)
+
+    def _release_dropped(self, pins: _Pins) -> None:
+        """Release a garbage-collected hold's pins (loop thread); count it, warn the first time."""
+        if not self._release_pins(pins):
+            return  # aclose released it meanwhile
+        self._holds_dropped += 1
+        if self._holds_dropped == 1:
+            with contextlib.suppress(Exception):  # a log handler that raises changes nothing
+                log.warning(
+                    "a kvtier.Hold was garbage-collected without release(): released it; "
+                    "call release() or use it as a context manager (later ones are "
+                    "counted in stats().holds_dropped, not logged)"
+                )
 
     def prefix_hits(self, keys: Iterable[OffloadKey]) -> int:
         """Number of leading keys that a load can serve (``CPU``, ``NVME`` or ``PENDING``).
@@ -1737,6 +1781,7 @@ class TransferEngine:
             nvme=nvme,
             failures=dict(c.failures),
             nvme_hits=c.nvme_hits,
+            holds_dropped=self._holds_dropped,
         )
 
 

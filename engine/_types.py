@@ -271,6 +271,9 @@ class EngineStats:
         load_failures: keys a load failed after finding them (copy or
             promotion errors; a cancelled load counts none).
         pinned_memory: the pool is page-locked (CUDA hosts).
+        holds_dropped: :class:`~kvtier.Hold` s garbage-collected without
+            ``release()`` (the engine released them then; the first one is
+            logged as a warning).
     """
 
     num_slots: int
@@ -298,3 +301,4 @@ class EngineStats:
     nvme: dict[str, object] | None = None
     failures: dict[str, int] = field(default_factory=dict)
     nvme_hits: int = 0
+    holds_dropped: int = 0

@@ -70,6 +70,8 @@ def _samples(s: Any) -> Iterator[tuple[str, str, str, dict[str, str], float]]:
     for kind, n in s.failures.items():
         yield "counter", "failures", "failed copies and promotions by kind", {"kind": kind}, n
     yield "counter", "rejected", "stored keys rejected for lack of a slot", {}, s.rejected
+    doc = "holds garbage-collected without release() (released then)"
+    yield "counter", "holds_dropped", doc, {}, s.holds_dropped
     if nvme:
         for direction in ("read", "write"):
             labels = {"direction": direction}

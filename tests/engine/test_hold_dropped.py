@@ -3,8 +3,9 @@
 A serving loop that aborts a request between its admission (``hold``) and its
 load can drop the Hold without calling ``release()``. The engine keeps only a
 weak reference to it, so the Hold is collected, and its pins (CPU slots and
-NVMe rows) are released on the engine's loop with a warning in the log,
-instead of pinning the keys until ``aclose``.
+NVMe rows) are released on the engine's loop, instead of pinning the keys
+until ``aclose``: the first such hold is logged as a warning, every one is
+counted in ``stats().holds_dropped``.
 """
 
 from __future__ import annotations
@@ -51,9 +52,16 @@ async def test_a_dropped_hold_releases_its_slots_with_a_warning(
         del held
         gc.collect()  # the engine does not keep it alive
         assert ref() is None
-        assert _warned(caplog) == 1
         await _settle()
         assert engine.stats().slots_pinned == 0
+        assert engine.stats().holds_dropped == 1
+        assert _warned(caplog) == 1
+        for i in range(3):  # later ones are counted, not logged
+            engine.hold(keys_of(chain[i : i + 1]))  # dropped at once
+        await _settle()
+        assert engine.stats().holds_dropped == 4
+        assert engine.stats().slots_pinned == 0
+        assert _warned(caplog) == 1
         # the slots are evictable again: four new keys fit (three by eviction)
         res = await engine.store(chunk_chain("x", 4, 10))
         assert len(res.stored) == 4
@@ -74,6 +82,7 @@ async def test_a_kept_hold_stays_held_and_a_released_one_does_not_warn(
         gc.collect()
         await _settle()
         assert _warned(caplog) == 0
+        assert engine.stats().holds_dropped == 0
         assert engine.stats().slots_pinned == 1  # `kept` still pins a0
         res = await engine.store(chunk_chain("x", 4, 10))
         assert len(res.stored) == 3  # a0 stays; b0 and the free slots take three
