@@ -92,6 +92,44 @@ def keys_of(chunks: list[kvtier.Chunk]) -> list[kvtier.OffloadKey]:
     return [c.key for c in chunks]
 
 
+def nvme_rows(
+    root: Any, slot: int, rows: int | None = None, namespace: str = "t", **kw: Any
+) -> kvtier.NVMeConfig:
+    """An NVMe tier under ``root``: 16 MiB, or with ``rows`` exactly that many rows.
+
+    ``rows``: one segment of a 4 KiB header and ``rows`` rows of ``slot``
+    bytes, and a capacity of just that (a full tier after ``rows`` keys).
+    ``kw`` goes to :class:`kvtier.NVMeConfig` (``row_io_wrapper=...``).
+    """
+    if rows is None:
+        return kvtier.NVMeConfig(root=root, capacity_bytes=1 << 24, namespace=namespace, **kw)
+    size = 4096 + rows * slot
+    return kvtier.NVMeConfig(
+        root=root, capacity_bytes=size, namespace=namespace, segment_nbytes=size, **kw
+    )
+
+
+async def until(cond: Callable[[], object], seconds: float = 10.0) -> bool:
+    """Poll ``cond`` on the running loop until it is true or ``seconds`` passed; its last value."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if cond():
+            return True
+        await asyncio.sleep(0.002)
+    return bool(cond())
+
+
+async def settle(n: int = 5) -> None:
+    """Let the loop run ``n`` rounds of ready callbacks (releases scheduled from elsewhere)."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+def logged(caplog: Any, text: str, logger: str = "kvtier") -> int:
+    """How many records of ``logger`` that ``caplog`` captured contain ``text``."""
+    return sum(text in r.getMessage() for r in caplog.records if r.name == logger)
+
+
 class Gate:
     """Shared state of the gated RowIO wrappers of one test (one per tier open)."""
 

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 import kvtier
 from kvtier.errors import WrongThreadError
 from kvtier.metrics import register_prometheus
-from tests.engine.helpers import chunk_chain, key, keys_of, one_group
+from tests.engine.helpers import chunk_chain, key, keys_of, nvme_rows, one_group
 
 M, P, C, N = (
     kvtier.Residency.MISS,
@@ -60,13 +60,7 @@ async def test_held_cpu_keys_are_never_evicted_until_released(eviction: str) -> 
 
 async def test_held_nvme_rows_are_never_evicted_until_released(tmp_path: Path) -> None:
     layout, t, slot = one_group()
-    nvme = kvtier.NVMeConfig(
-        root=tmp_path,
-        capacity_bytes=4096 + 4 * slot,  # one segment header and four rows
-        namespace="hold",
-        segment_nbytes=4096 + 4 * slot,
-    )
-    config = kvtier.EngineConfig(8 * slot, 1, nvme=nvme)
+    config = kvtier.EngineConfig(8 * slot, 1, nvme=nvme_rows(tmp_path, slot, 4))
     chain = chunk_chain("a", 3, 0)
     async with kvtier.TransferEngine(layout, config) as engine:
         await engine.store(chain, durable=True)
@@ -181,13 +175,7 @@ def test_background_engine_hold_releases_on_the_engine_thread() -> None:
 
 async def test_a_held_row_that_fails_its_read_is_freed_at_release(tmp_path: Path) -> None:
     layout, _, slot = one_group()
-    nvme = kvtier.NVMeConfig(
-        root=tmp_path,
-        capacity_bytes=4096 + slot,  # one segment header and one row
-        namespace="zombie",
-        segment_nbytes=4096 + slot,
-    )
-    config = kvtier.EngineConfig(4 * slot, 1, nvme=nvme)
+    config = kvtier.EngineConfig(4 * slot, 1, nvme=nvme_rows(tmp_path, slot, 1))
     a = chunk_chain("a", 1, 0)
     async with kvtier.TransferEngine(layout, config) as engine:
         await engine.store(a, durable=True)

@@ -21,20 +21,10 @@ from pathlib import Path
 import pytest
 
 import kvtier
-from tests.engine.helpers import chunk_chain, keys_of, one_group
+from tests.engine.helpers import chunk_chain, keys_of, logged, nvme_rows, one_group, settle
 
 C, N = kvtier.Residency.CPU, kvtier.Residency.NVME
 WARNING = "garbage-collected without release()"
-
-
-async def _settle() -> None:
-    """Let the loop run the release that the collected hold scheduled."""
-    for _ in range(3):
-        await asyncio.sleep(0)
-
-
-def _warned(caplog: pytest.LogCaptureFixture) -> int:
-    return sum(WARNING in r.getMessage() for r in caplog.records if r.name == "kvtier")
 
 
 async def test_a_dropped_hold_releases_its_slots_with_a_warning(
@@ -52,16 +42,16 @@ async def test_a_dropped_hold_releases_its_slots_with_a_warning(
         del held
         gc.collect()  # the engine does not keep it alive
         assert ref() is None
-        await _settle()
+        await settle()
         assert engine.stats().slots_pinned == 0
         assert engine.stats().holds_dropped == 1
-        assert _warned(caplog) == 1
+        assert logged(caplog, WARNING) == 1
         for i in range(3):  # later ones are counted, not logged
             engine.hold(keys_of(chain[i : i + 1]))  # dropped at once
-        await _settle()
+        await settle()
         assert engine.stats().holds_dropped == 4
         assert engine.stats().slots_pinned == 0
-        assert _warned(caplog) == 1
+        assert logged(caplog, WARNING) == 1
         # the slots are evictable again: four new keys fit (three by eviction)
         res = await engine.store(chunk_chain("x", 4, 10))
         assert len(res.stored) == 4
@@ -80,8 +70,8 @@ async def test_a_kept_hold_stays_held_and_a_released_one_does_not_warn(
         with engine.hold(keys_of(b)):
             pass
         gc.collect()
-        await _settle()
-        assert _warned(caplog) == 0
+        await settle()
+        assert logged(caplog, WARNING) == 0
         assert engine.stats().holds_dropped == 0
         assert engine.stats().slots_pinned == 1  # `kept` still pins a0
         res = await engine.store(chunk_chain("x", 4, 10))
@@ -92,13 +82,7 @@ async def test_a_kept_hold_stays_held_and_a_released_one_does_not_warn(
 
 async def test_a_dropped_hold_releases_its_nvme_rows(tmp_path: Path) -> None:
     layout, _, slot = one_group()
-    nvme = kvtier.NVMeConfig(
-        root=tmp_path,
-        capacity_bytes=4096 + 4 * slot,  # one segment header and four rows
-        namespace="dropped",
-        segment_nbytes=4096 + 4 * slot,
-    )
-    config = kvtier.EngineConfig(8 * slot, 1, nvme=nvme)
+    config = kvtier.EngineConfig(8 * slot, 1, nvme=nvme_rows(tmp_path, slot, 4))
     chain = chunk_chain("a", 3, 0)
     async with kvtier.TransferEngine(layout, config) as engine:
         await engine.store(chain, durable=True)
@@ -108,7 +92,7 @@ async def test_a_dropped_hold_releases_its_nvme_rows(tmp_path: Path) -> None:
         assert engine.stats().nvme["rows_pinned"] == 3
         del held
         gc.collect()
-        await _settle()
+        await settle()
         assert engine.stats().nvme["rows_pinned"] == 0
         # every row can be taken again: three writes evict the three keys
         res = await engine.store(chunk_chain("y", 4, 20), durable=True)
@@ -129,8 +113,8 @@ async def test_a_hold_dropped_after_aclose_does_nothing(
     assert held.released
     del held
     gc.collect()
-    await _settle()
-    assert _warned(caplog) == 0
+    await settle()
+    assert logged(caplog, WARNING) == 0
 
 
 @pytest.mark.parametrize("drop", ["before_close_releases", "after_close_releases"])
@@ -161,7 +145,7 @@ async def test_a_hold_dropped_while_the_engine_closes(
     gc.collect()
     await asyncio.wait_for(closing, 30)
     assert collections.Counter(unpins) == collections.Counter(keys_of(chain))  # once each
-    assert _warned(caplog) == (drop == "before_close_releases")
+    assert logged(caplog, WARNING) == (drop == "before_close_releases")
 
 
 def test_a_background_engine_hold_dropped_on_another_thread_is_released(
@@ -190,6 +174,6 @@ def test_a_background_engine_hold_dropped_on_another_thread_is_released(
                 break
             threading.Event().wait(0.01)
         assert engine.stats().slots_pinned == 0
-        assert _warned(caplog) == 1
+        assert logged(caplog, WARNING) == 1
         res = engine.store(chunk_chain("x", 2, 10)).result(30)
         assert len(res.stored) == 2  # a0 evictable again

@@ -32,49 +32,29 @@ from prometheus_client import CollectorRegistry
 
 import kvtier
 from kvtier.metrics import register_prometheus
-from tests.engine.helpers import Gate, chunk_chain, keys_of, one_group
+from tests.engine.helpers import (
+    Gate,
+    chunk_chain,
+    keys_of,
+    logged,
+    nvme_rows,
+    one_group,
+    settle,
+    until,
+)
 
 M, C, N = kvtier.Residency.MISS, kvtier.Residency.CPU, kvtier.Residency.NVME
 WARNING = "garbage-collected without release()"
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _nvme(root: Path, rows: int | None, slot: int, **kw: Any) -> kvtier.NVMeConfig:
-    """An NVMe config; ``rows``: a tier of exactly that many rows (one segment)."""
-    if rows is None:
-        return kvtier.NVMeConfig(root=root, capacity_bytes=1 << 24, namespace="r19", **kw)
-    size = 4096 + rows * slot
-    return kvtier.NVMeConfig(
-        root=root, capacity_bytes=size, namespace="r19", segment_nbytes=size, **kw
-    )
-
-
-async def _settle(n: int = 5) -> None:
-    """Let the loop run the releases that collected holds scheduled."""
-    for _ in range(n):
-        await asyncio.sleep(0)
-
-
-async def _until(cond: Any, seconds: float = 10.0) -> bool:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if cond():
-            return True
-        await asyncio.sleep(0.002)
-    return bool(cond())
-
-
-def _wait_until(cond: Any, seconds: float = 10.0) -> bool:
+def _waituntil(cond: Any, seconds: float = 10.0) -> bool:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         if cond():
             return True
         time.sleep(0.002)
     return bool(cond())
-
-
-def _warned(caplog: pytest.LogCaptureFixture) -> int:
-    return sum(WARNING in r.getMessage() for r in caplog.records if r.name == "kvtier")
 
 
 @contextlib.contextmanager
@@ -151,8 +131,8 @@ async def test_a_dropped_hold_leaves_the_pins_of_another_hold_and_a_load(
         gc.collect()
         out = await loading
         assert out.loaded == tuple(keys_of(chain))
-        await _settle()
-        assert _warned(caplog) == 1
+        await settle()
+        assert logged(caplog, WARNING) == 1
         # `other` still pins a0 and a1; a2 is evictable again
         assert engine.stats().slots_pinned == 2
         res = await engine.store(chunk_chain("x", 3, 10))
@@ -163,14 +143,14 @@ async def test_a_dropped_hold_leaves_the_pins_of_another_hold_and_a_load(
         assert engine.stats().slots_pinned == 0
         res = await engine.store(chunk_chain("y", 4, 20))
         assert len(res.stored) == 4  # every slot can be taken: no pin was left behind
-    assert _warned(caplog) == 1
+    assert logged(caplog, WARNING) == 1
 
 
 async def test_two_holds_of_one_row_count_it_once_and_a_drop_leaves_the_other(
     tmp_path: Path,
 ) -> None:
     layout, _, slot = one_group()
-    config = kvtier.EngineConfig(4 * slot, 1, nvme=_nvme(tmp_path, 2, slot))
+    config = kvtier.EngineConfig(4 * slot, 1, nvme=nvme_rows(tmp_path, slot, 2))
     a = chunk_chain("a", 1, 0)
     await _nvme_only(layout, config, a)
     async with kvtier.TransferEngine(layout, config) as engine:
@@ -182,7 +162,7 @@ async def test_two_holds_of_one_row_count_it_once_and_a_drop_leaves_the_other(
         assert engine.stats().nvme["rows_pinned"] == 1  # rows, not pins
         box.clear()
         gc.collect()
-        await _settle()
+        await settle()
         assert engine.stats().nvme["rows_pinned"] == 1
         assert registry.get_sample_value("kvtier_nvme_rows_pinned") == 1
         # a held row is not taken: the tier has one free row for two writes
@@ -204,7 +184,7 @@ async def test_many_holds_dropped_at_once_and_from_many_threads_return_every_pin
     """
     caplog.set_level(logging.WARNING, logger="kvtier")
     layout, _, slot = one_group()
-    config = kvtier.EngineConfig(4 * slot, 1, nvme=_nvme(tmp_path, None, slot))
+    config = kvtier.EngineConfig(4 * slot, 1, nvme=nvme_rows(tmp_path, slot, None))
     chain = chunk_chain("a", 8, 0)
     await _nvme_only(layout, config, chain[:4])
     async with kvtier.TransferEngine(layout, config) as engine:
@@ -232,12 +212,12 @@ async def test_many_holds_dropped_at_once_and_from_many_threads_return_every_pin
         holds.clear()
         for th in threads:
             th.join(30)
-        assert await _until(lambda: engine.stats().slots_pinned == 0)
-        assert await _until(lambda: engine.stats().nvme["rows_pinned"] == 0)
-        await _settle()
+        assert await until(lambda: engine.stats().slots_pinned == 0)
+        assert await until(lambda: engine.stats().nvme["rows_pinned"] == 0)
+        await settle()
         assert engine.stats().slots_pinned == 0
         assert registry.get_sample_value("kvtier_nvme_rows_pinned") == 0
-        assert _warned(caplog) == 1
+        assert logged(caplog, WARNING) == 1
         assert engine.stats().holds_dropped == 2000
         assert registry.get_sample_value("kvtier_holds_dropped_total") == 2000
         # nothing is pinned twice or left: new keys evict every CPU key
@@ -255,7 +235,7 @@ async def test_a_hold_dropped_while_its_nvme_key_is_read_keeps_the_row_until_the
     layout, t, slot = one_group()
     gate = Gate()
     config = kvtier.EngineConfig(
-        4 * slot, 1, nvme=_nvme(tmp_path, None, slot, row_io_wrapper=gate.wrap)
+        4 * slot, 1, nvme=nvme_rows(tmp_path, slot, None, row_io_wrapper=gate.wrap)
     )
     a = chunk_chain("a", 2, 0)
     await _nvme_only(layout, config, a)
@@ -264,14 +244,14 @@ async def test_a_hold_dropped_while_its_nvme_key_is_read_keeps_the_row_until_the
         assert engine.stats().nvme["rows_pinned"] == 2
         gate.armed = True
         first = asyncio.ensure_future(engine.load([kvtier.Chunk(a[0].key, [40])]))
-        assert await _until(gate.reading.is_set)
+        assert await until(gate.reading.is_set)
         # a second load of a0 waits for the promotion in flight
         second = asyncio.ensure_future(engine.load([kvtier.Chunk(a[0].key, [41])]))
-        await _settle()
+        await settle()
         assert not second.done()
         box.clear()
         gc.collect()
-        await _settle()
+        await settle()
         # a1 is free again; a0's row is still read
         assert engine.stats().nvme["rows_pinned"] == 1
         gate.opened.set()
@@ -286,7 +266,7 @@ async def test_rows_pinned_with_reads_in_flight_and_after_failed_reads(tmp_path:
     layout, _, slot = one_group()
     gate = Gate()
     config = kvtier.EngineConfig(
-        4 * slot, 1, nvme=_nvme(tmp_path, 3, slot, row_io_wrapper=gate.wrap)
+        4 * slot, 1, nvme=nvme_rows(tmp_path, slot, 3, row_io_wrapper=gate.wrap)
     )
     a = chunk_chain("a", 3, 0)
     await _nvme_only(layout, config, a)
@@ -300,8 +280,8 @@ async def test_rows_pinned_with_reads_in_flight_and_after_failed_reads(tmp_path:
             asyncio.ensure_future(engine.load([kvtier.Chunk(c.key, [40 + i])]))
             for i, c in enumerate(a[:2])
         ]
-        assert await _until(gate.reading.is_set)
-        await _settle()
+        assert await until(gate.reading.is_set)
+        await settle()
         assert engine.stats().nvme["rows_pinned"] == 2  # a0 (hold and read), a1 (read)
         assert registry.get_sample_value("kvtier_nvme_rows_pinned") == 2
         gate.opened.set()
@@ -312,7 +292,7 @@ async def test_rows_pinned_with_reads_in_flight_and_after_failed_reads(tmp_path:
         assert engine.stats().nvme["rows_pinned"] == 1
         box.clear()
         gc.collect()
-        await _settle()
+        await settle()
         assert engine.stats().nvme["rows_pinned"] == 0
         assert registry.get_sample_value("kvtier_nvme_rows_pinned") == 0
         kept = engine.hold(keys_of(a[2:]))  # held at close
@@ -337,7 +317,7 @@ async def test_a_hold_dropped_in_a_done_callback_and_by_gc_on_a_read_thread(
     layout, _, slot = one_group()
     gate = Gate()
     config = kvtier.EngineConfig(
-        4 * slot, 1, nvme=_nvme(tmp_path, None, slot, row_io_wrapper=gate.wrap)
+        4 * slot, 1, nvme=nvme_rows(tmp_path, slot, None, row_io_wrapper=gate.wrap)
     )
     a, b = chunk_chain("a", 1, 0), chunk_chain("b", 1, 1)
     await _nvme_only(layout, config, a)
@@ -362,11 +342,11 @@ async def test_a_hold_dropped_in_a_done_callback_and_by_gc_on_a_read_thread(
             assert out.loaded == (a[0].key,)
             assert collected_on
             assert collected_on[0] != threading.current_thread().name
-            await _settle()
+            await settle()
             assert not box
             assert engine.stats().slots_pinned == 0
             assert engine.stats().nvme["rows_pinned"] == 0
-            assert _warned(caplog) == 1
+            assert logged(caplog, WARNING) == 1
             assert engine.stats().holds_dropped == 2
             res = await engine.store(chunk_chain("x", 4, 10))
             assert len(res.stored) == 4  # every slot free or evictable
@@ -380,7 +360,7 @@ async def test_holds_collected_at_any_allocation_while_the_engine_works(
     engine's own code (stores, loads, promotions, holds, releases)."""
     caplog.set_level(logging.WARNING, logger="kvtier")
     layout, _, slot = one_group()
-    config = kvtier.EngineConfig(6 * slot, 1, nvme=_nvme(tmp_path, None, slot))
+    config = kvtier.EngineConfig(6 * slot, 1, nvme=nvme_rows(tmp_path, slot, None))
     base = chunk_chain("n", 6, 0)
     await _nvme_only(layout, config, base)
     threshold = gc.get_threshold()
@@ -405,9 +385,9 @@ async def test_holds_collected_at_any_allocation_while_the_engine_works(
             finally:
                 gc.set_threshold(*threshold)
             gc.collect()
-            assert await _until(lambda: engine.stats().holds_dropped == dropped)
-            assert _warned(caplog) == 1
-            await _settle()
+            assert await until(lambda: engine.stats().holds_dropped == dropped)
+            assert logged(caplog, WARNING) == 1
+            await settle()
             assert engine.stats().slots_pinned == 0
             assert engine.stats().nvme["rows_pinned"] == 0
     assert not errors
@@ -429,10 +409,10 @@ async def test_a_dropped_hold_is_released_with_logging_disabled(
         try:
             box.clear()
             gc.collect()
-            await _settle()
+            await settle()
         finally:
             logging.disable(logging.NOTSET)
-        assert _warned(caplog) == 0
+        assert logged(caplog, WARNING) == 0
         assert engine.stats().slots_pinned == 0
 
 
@@ -460,7 +440,7 @@ async def test_a_raising_log_handler_does_not_keep_a_dropped_hold_pinned() -> No
             gc.collect()
         finally:
             logger.removeHandler(handler)
-        await _settle()
+        await settle()
         assert engine.stats().slots_pinned == 0
 
 
@@ -483,7 +463,7 @@ async def test_a_hold_dropped_on_another_thread_while_aclose_runs_is_released_on
     layout, _, slot = one_group()
     gate = Gate()
     config = kvtier.EngineConfig(
-        4 * slot, 1, nvme=_nvme(tmp_path, None, slot, row_io_wrapper=gate.wrap)
+        4 * slot, 1, nvme=nvme_rows(tmp_path, slot, None, row_io_wrapper=gate.wrap)
     )
     a, b = chunk_chain("a", 1, 0), chunk_chain("b", 1, 1)
     await _nvme_only(layout, config, b)
@@ -506,15 +486,15 @@ async def test_a_hold_dropped_on_another_thread_while_aclose_runs_is_released_on
             # a promotion in flight keeps aclose() busy (it waits for the load)
             gate.armed = True
             loading = asyncio.ensure_future(engine.load([kvtier.Chunk(b[0].key, [40])]))
-            assert await _until(gate.reading.is_set)
+            assert await until(gate.reading.is_set)
             dropper = threading.Thread(target=box.pop, name="dropper")  # the last reference
             dropper.start()
-            assert await _until(entered.is_set)  # inside Hold.__del__
+            assert await until(entered.is_set)  # inside Hold.__del__
             closing = asyncio.ensure_future(engine.aclose())
-            await _settle()  # aclose released the (dying) hold
+            await settle()  # aclose released the (dying) hold
             go.set()  # __del__ schedules its release now
             await asyncio.to_thread(dropper.join, 10)
-            await _settle()
+            await settle()
             gate.opened.set()
             await asyncio.wait_for(closing, 30)
             out = await loading
@@ -540,7 +520,7 @@ async def test_a_copy_of_a_hold_does_not_release_the_original_pins() -> None:
             with pytest.raises(TypeError, match="Hold cannot be"):
                 dup(held)  # e.g. a request object copied with its hold
         gc.collect()
-        await _settle()
+        await settle()
         assert engine.stats().slots_pinned == 2
         held.release()
         assert engine.stats().slots_pinned == 0
@@ -574,8 +554,8 @@ def test_background_engine_release_then_drop_and_drop_after_close(
 
             bg.store(chunk_chain("c", 1, 5)).add_done_callback(on_done)
             assert fired.wait(30)
-            assert _wait_until(lambda: bg.stats().slots_pinned == 0)
-            assert _warned(caplog) == 1
+            assert _waituntil(lambda: bg.stats().slots_pinned == 0)
+            assert logged(caplog, WARNING) == 1
             # held at close: close releases; dropped on other threads after close
             late = [bg.hold(keys_of(a)), bg.hold(keys_of(a))]
             late[1].release()
@@ -591,7 +571,7 @@ def test_background_engine_release_then_drop_and_drop_after_close(
         gc.collect()
     assert not late
     assert not unraisable
-    assert _warned(caplog) == 1
+    assert logged(caplog, WARNING) == 1
 
 
 # ===================================================================== child processes
@@ -599,7 +579,7 @@ def test_background_engine_release_then_drop_and_drop_after_close(
 
 def _child_engine(root: str) -> tuple[kvtier.KVLayout, kvtier.EngineConfig]:
     layout, _, slot = one_group()
-    return layout, kvtier.EngineConfig(4 * slot, 1, nvme=_nvme(Path(root), None, slot))
+    return layout, kvtier.EngineConfig(4 * slot, 1, nvme=nvme_rows(Path(root), slot, None))
 
 
 def _child(mode: str, root: str) -> None:  # pragma: no cover - runs in a child process
@@ -645,7 +625,7 @@ def _child(mode: str, root: str) -> None:  # pragma: no cover - runs in a child 
             box = [bg.hold(keys_of(chain))]
             box.clear()
             gc.collect()
-            assert _wait_until(lambda: bg.stats().slots_pinned == 0), "still pinned"
+            assert _waituntil(lambda: bg.stats().slots_pinned == 0), "still pinned"
             box = [bg.hold(keys_of(chain))]
         # closed: dropped on another thread
         th = threading.Thread(target=box.pop)

@@ -28,7 +28,15 @@ import torch
 
 import kvtier
 from kvtier.errors import NotDurableError, WrongThreadError
-from tests.engine.helpers import chunk_chain, fill_random, key, keys_of, one_group
+from tests.engine.helpers import (
+    chunk_chain,
+    fill_random,
+    key,
+    keys_of,
+    nvme_rows,
+    one_group,
+    until,
+)
 
 M, P, C, N = (
     kvtier.Residency.MISS,
@@ -37,25 +45,6 @@ M, P, C, N = (
     kvtier.Residency.NVME,
 )
 BLOCK = 4096  # payload of one block; a slot (and a row) is 8 KiB with its trailer
-
-
-def _nvme(root: Path, rows: int | None, slot: int, **kw: Any) -> kvtier.NVMeConfig:
-    """An NVMe config; ``rows``: a tier of exactly that many rows (one segment)."""
-    if rows is None:
-        return kvtier.NVMeConfig(root=root, capacity_bytes=1 << 24, namespace="r18", **kw)
-    size = 4096 + rows * slot
-    return kvtier.NVMeConfig(
-        root=root, capacity_bytes=size, namespace="r18", segment_nbytes=size, **kw
-    )
-
-
-async def _until(cond: Any, seconds: float = 10.0) -> bool:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if cond():
-            return True
-        await asyncio.sleep(0.005)
-    return cond()
 
 
 # ============================================================================ recency
@@ -103,7 +92,7 @@ async def test_nvme_rows_of_a_chain_extended_from_a_stored_head_lose_the_tail_fi
     layout, _, slot = one_group()
     chain = chunk_chain("a", 4, 0)
     # arc keeps the CPU order right (see the test above): only the rows are under test
-    config = kvtier.EngineConfig(4 * slot, 1, eviction="arc", nvme=_nvme(tmp_path, 4, slot))
+    config = kvtier.EngineConfig(4 * slot, 1, eviction="arc", nvme=nvme_rows(tmp_path, slot, 4))
     async with kvtier.TransferEngine(layout, config) as engine:
         await engine.store(chain[:1], durable=True)
         res = await engine.store(chain, durable=True)
@@ -127,14 +116,14 @@ async def test_store_calls_coalesced_in_one_iteration_keep_call_order_then_head_
     """
     layout, _, slot = one_group()
     a, b = chunk_chain("a", 3, 0), chunk_chain("b", 3, 3)
-    big = kvtier.EngineConfig(16 * slot, 1, nvme=_nvme(tmp_path, 6, slot))
+    big = kvtier.EngineConfig(16 * slot, 1, nvme=nvme_rows(tmp_path, slot, 6))
     async with kvtier.TransferEngine(layout, big) as engine:
         ra, rb = await asyncio.gather(engine.store(a), engine.store(b))
         assert engine.stats().store_jobs == 1  # really coalesced
         assert (len(ra.stored), len(rb.stored)) == (3, 3)
         await engine.flush()
     # after a restart the rows' order is a2 a1 a0 b2 b1 b0 (oldest first)
-    config = kvtier.EngineConfig(16 * slot, 1, eviction=eviction, nvme=_nvme(tmp_path, 6, slot))
+    config = kvtier.EngineConfig(16 * slot, 1, eviction=eviction, nvme=nvme_rows(tmp_path, slot, 6))
     async with kvtier.TransferEngine(layout, config) as engine:
         for i, expect_a, expect_b in (
             (0, [N, N, M], [N, N, N]),
@@ -208,14 +197,14 @@ def test_a_call_spanning_two_write_batches_keeps_its_head_newest_on_nvme(tmp_pat
     from tests.reliability._faultio import KeyFault, Wrapper
 
     held = KeyFault("write", "block", hashes=frozenset(c.key.block_hash for c in chain[1:]))
-    nvme = _nvme(tmp_path, 9, slot, row_io_wrapper=Wrapper(held))
+    nvme = nvme_rows(tmp_path, slot, 9, row_io_wrapper=Wrapper(held))
     config = kvtier.EngineConfig(9 * slot, 1, nvme=nvme)
 
     async def run() -> tuple[list[kvtier.Residency], list[kvtier.Residency]]:
         async with kvtier.TransferEngine(layout, config) as engine:
             res = await engine.store(chain)
             assert len(res.stored) == 9
-            await _until(lambda: engine.stats().nvme["rows_resident"] >= 1, 5)
+            await until(lambda: engine.stats().nvme["rows_resident"] >= 1, 5)
             held.gate.set()
             await engine.flush()
             assert engine.stats().nvme["rows_resident"] == 9
@@ -256,7 +245,7 @@ def test_aclose_awaited_on_another_loop_of_the_engine_thread_raises(tmp_path: Pa
     loop: awaited on a second loop of the engine's thread with write-through in flight it hangs,
     closes the engine and loses the row."""
     layout, _, slot = one_group()
-    config = kvtier.EngineConfig(8 * slot, 1, nvme=_nvme(tmp_path, None, slot))
+    config = kvtier.EngineConfig(8 * slot, 1, nvme=nvme_rows(tmp_path, slot, None))
     a = chunk_chain("a", 1, 0)
     engine = kvtier.TransferEngine(layout, config)
     loop = asyncio.new_event_loop()
@@ -396,7 +385,7 @@ def test_background_engine_holds_from_callbacks_and_releases_from_many_threads(
     tmp_path: Path,
 ) -> None:
     layout, _, slot = one_group()
-    config = kvtier.EngineConfig(4 * slot, 1, nvme=_nvme(tmp_path, None, slot))
+    config = kvtier.EngineConfig(4 * slot, 1, nvme=nvme_rows(tmp_path, slot, None))
     chain = chunk_chain("a", 2, 0)
     with kvtier.BackgroundEngine(layout, config) as bg:
         bg.store(chain, durable=True).result(30)
@@ -456,10 +445,10 @@ async def test_holds_that_fill_every_slot_reject_stores_and_promotions_never_han
     layout, t, slot = one_group()
     n0 = chunk_chain("n", 1, 20)
     async with kvtier.TransferEngine(
-        layout, kvtier.EngineConfig(4 * slot, 1, nvme=_nvme(tmp_path, 4, slot))
+        layout, kvtier.EngineConfig(4 * slot, 1, nvme=nvme_rows(tmp_path, slot, 4))
     ) as engine:
         await engine.store(n0, durable=True)
-    config = kvtier.EngineConfig(3 * slot, 1, nvme=_nvme(tmp_path, 4, slot))
+    config = kvtier.EngineConfig(3 * slot, 1, nvme=nvme_rows(tmp_path, slot, 4))
     async with kvtier.TransferEngine(layout, config) as engine:
         a = chunk_chain("a", 3, 0)
         await engine.store(a, durable=True)  # three slots, four rows: all taken
@@ -493,7 +482,7 @@ async def test_a_hold_of_every_row_fails_writes_with_capacity_until_released(
 ) -> None:
     layout, t, slot = one_group()
     a = chunk_chain("a", 3, 0)
-    nvme = _nvme(tmp_path, 3, slot)
+    nvme = nvme_rows(tmp_path, slot, 3)
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(4 * slot, 1, nvme=nvme)) as e:
         await e.store(a, durable=True)
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(4 * slot, 1, nvme=nvme)) as e:
@@ -523,7 +512,7 @@ async def test_a_hold_of_every_row_fails_writes_with_capacity_until_released(
 async def test_a_hold_of_duplicate_keys_pins_twice_and_releases_fully(tmp_path: Path) -> None:
     layout, _, slot = one_group()
     a, n = chunk_chain("a", 1, 0), chunk_chain("n", 1, 1)
-    nvme = _nvme(tmp_path, 2, slot)
+    nvme = nvme_rows(tmp_path, slot, 2)
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(4 * slot, 1, nvme=nvme)) as e:
         await e.store(n, durable=True)
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(2 * slot, 1, nvme=nvme)) as e:
@@ -552,7 +541,7 @@ async def test_hold_with_concurrent_loads_prefetches_and_cancellations_returns_t
     layout, t, slot = one_group()
     a = chunk_chain("a", 4, 0)
     gate = Gate()
-    nvme = _nvme(tmp_path, 4, slot, row_io_wrapper=gate.wrap)
+    nvme = nvme_rows(tmp_path, slot, 4, row_io_wrapper=gate.wrap)
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(8 * slot, 1, nvme=nvme)) as e:
         await e.store(a, durable=True)
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(8 * slot, 1, nvme=nvme)) as e:
@@ -561,8 +550,8 @@ async def test_hold_with_concurrent_loads_prefetches_and_cancellations_returns_t
         gate.armed = True
         load = asyncio.ensure_future(e.load([kvtier.Chunk(a[0].key, [40])]))
         pre = asyncio.ensure_future(e.prefetch(keys_of(a[1:3])))
-        assert await _until(lambda: e.lookup(keys_of(a)) == [P, P, P, N])
-        assert gate.reading.is_set()
+        assert await until(lambda: e.lookup(keys_of(a)) == [P, P, P, N])
+        assert await until(gate.reading.is_set)  # PENDING comes first, the read a moment later
         # while promotions are in flight: a hold reports them PENDING and holds nothing new
         during = e.hold(keys_of(a))
         assert during.residency == (P, P, P, N)
@@ -597,7 +586,7 @@ async def test_a_held_row_that_fails_with_eio_stays_pinned_until_release(tmp_pat
     a = chunk_chain("a", 2, 0)
     fault = KeyFault("read", "errno", hashes=frozenset({a[0].key.block_hash}), times=1)
     wrap = Wrapper()
-    nvme = _nvme(tmp_path, 2, slot, row_io_wrapper=wrap)
+    nvme = nvme_rows(tmp_path, slot, 2, row_io_wrapper=wrap)
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(4 * slot, 1, nvme=nvme)) as e:
         await e.store(a, durable=True)
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(4 * slot, 1, nvme=nvme)) as e:
@@ -626,7 +615,7 @@ async def test_aclose_hard_with_holds_and_writes_in_flight(tmp_path: Path) -> No
     a = chunk_chain("a", 2, 0)
     blocked = KeyFault("write", "block")
     wrap = Wrapper()
-    nvme = _nvme(tmp_path, None, slot, row_io_wrapper=wrap)
+    nvme = nvme_rows(tmp_path, slot, None, row_io_wrapper=wrap)
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(8 * slot, 1, nvme=nvme)) as e:
         await e.store(a, durable=True)
     e = await kvtier.TransferEngine(layout, kvtier.EngineConfig(8 * slot, 1, nvme=nvme)).start()
@@ -634,7 +623,7 @@ async def test_aclose_hard_with_holds_and_writes_in_flight(tmp_path: Path) -> No
         wrap.faults.append(blocked)
         b = chunk_chain("b", 2, 4)
         await e.store(b)  # write-through waits at the blocked write
-        await _until(lambda: blocked.hits > 0, 10)
+        await until(lambda: blocked.hits > 0, 10)
         held = e.hold([*keys_of(a), *keys_of(b)])
         assert held.residency == (N, N, C, C)
         closing = asyncio.ensure_future(e.aclose(hard=True))
@@ -703,7 +692,7 @@ async def test_held_rows_with_an_eviction_window_pass_to_other_keys(tmp_path: Pa
 
 
 def _child_config(root: str, slot: int) -> kvtier.EngineConfig:
-    return kvtier.EngineConfig(6 * slot, 1, nvme=_nvme(Path(root), 8, slot))
+    return kvtier.EngineConfig(6 * slot, 1, nvme=nvme_rows(Path(root), slot, 8))
 
 
 async def _child(root: str) -> None:
