@@ -768,7 +768,8 @@ class TransferEngine:
         ``complete_load``, and LMCache's ``lookup(pin=True)`` until
         ``lookup_unpin``). Release it after the load returned (a ``with``
         block around the load does); a hold garbage-collected unreleased is
-        released then (with a warning), and :meth:`aclose` releases the rest.
+        released then (counted in ``EngineStats.holds_dropped``, the first
+        one logged as a warning), and :meth:`aclose` releases the rest.
 
         Args:
             keys: offload keys, e.g. a request's prefix chain, head first.
