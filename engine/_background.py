@@ -53,6 +53,12 @@ class BackgroundEngine:
         layout: the registered GPU KV cache.
         config: sizing and policies.
 
+    Attributes:
+        engine: the :class:`TransferEngine` it runs (its coroutines belong
+            to the engine thread; :meth:`TransferEngine.stats` is readable
+            from any thread). ``kvtier.metrics.register_prometheus`` takes
+            either.
+
     Raises:
         InvalidArgumentError: ``layout`` or ``config`` has the wrong type.
         BudgetError: ``cpu_bytes`` cannot hold one slot.

@@ -227,8 +227,10 @@ class Hold:
     its release (the last reference dropped, e.g. by a request aborted
     between its admission and its load) is released then, on the engine's
     loop: a forgotten hold does not pin its keys for the rest of the
-    engine's life (``EngineStats.holds_dropped`` counts them; the first is
-    logged as a warning). A hold cannot be copied or pickled (a copy would
+    engine's life (``EngineStats.holds_dropped`` counts them; the engine's
+    first is logged as a warning). The release runs at the loop's next
+    iteration (``release()`` at once); a hold in a reference cycle waits for
+    the cyclic collector. A hold cannot be copied or pickled (a copy would
     release the same pins).
 
     Attributes:

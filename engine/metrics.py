@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
+    from kvtier._background import BackgroundEngine
     from kvtier._engine import TransferEngine
 
 _RESERVED_LABELS = frozenset({"state", "tier", "group_id", "outcome", "direction", "kind"})
@@ -169,7 +170,7 @@ class Export:
 
 
 def register_prometheus(
-    engine: TransferEngine,
+    engine: TransferEngine | BackgroundEngine,
     registry: Any = None,
     *,
     namespace: str = "kvtier",
@@ -182,7 +183,8 @@ def register_prometheus(
     engine is held by weak reference; once it is closed it exports nothing.
 
     Args:
-        engine: the engine to export.
+        engine: the engine to export: a :class:`~kvtier.TransferEngine`, or a
+            :class:`~kvtier.BackgroundEngine` (its ``engine`` is exported).
         registry: a ``prometheus_client.CollectorRegistry`` (default: the global REGISTRY).
         namespace: metric name prefix (a Prometheus metric name: letters,
             digits, ``_`` and ``:``, not starting with a digit).
@@ -195,13 +197,24 @@ def register_prometheus(
 
     Raises:
         ImportError: ``prometheus_client`` is not installed.
-        InvalidArgumentError: a live engine is already exported to ``registry``
+        InvalidArgumentError: ``engine`` is neither engine type (checked here:
+            a scrape would fail), a live engine is already exported to ``registry``
             with the same namespace and labels (series would collide), the
             namespace is not a metric name, or a label name is invalid or
             one of the metrics' own.
     """
     import prometheus_client
 
+    from kvtier._background import BackgroundEngine
+    from kvtier._engine import TransferEngine
+
+    if isinstance(engine, BackgroundEngine):
+        engine = engine.engine
+    if not isinstance(engine, TransferEngine):
+        raise InvalidArgumentError(
+            "engine must be a kvtier.TransferEngine or kvtier.BackgroundEngine, "
+            f"got {type(engine).__name__}"
+        )
     registry = registry or prometheus_client.REGISTRY
     if not isinstance(namespace, str) or not _METRIC.fullmatch(namespace):
         # prometheus_client would rewrite it (my-ns -> my_ns): two namespaces could clash

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 import kvtier
 from kvtier.metrics import register_prometheus, unregister_prometheus
@@ -51,3 +51,21 @@ async def test_two_engines_need_distinct_labels() -> None:
         assert registry.get_sample_value("kvtier_slots", {"state": "free"}) == e1.num_slots
         unregister_prometheus(first, registry)
         assert registry.get_sample_value("kvtier_slots", {"state": "free"}) is None
+
+
+def test_a_background_engine_is_exported_and_other_objects_are_refused() -> None:
+    """register_prometheus(BackgroundEngine) exports its engine; before, it was accepted and
+    every scrape of the registry then raised AttributeError (the whole /metrics page)."""
+    layout = kvtier.KVLayout.from_tensors({0: {"a": torch.zeros(4, 1024, dtype=torch.uint8)}})
+    registry = CollectorRegistry()
+    with kvtier.BackgroundEngine(layout, kvtier.EngineConfig(1 << 20, 1)) as engine:
+        register_prometheus(engine, registry)
+        engine.store([kvtier.Chunk(key(1, 0), [0])]).result(30)
+        text = generate_latest(registry).decode()  # a scrape, as the HTTP exporter does
+        assert "kvtier_slots" in text
+        assert registry.get_sample_value("kvtier_slots", {"state": "resident"}) == 1
+        assert registry.get_sample_value("kvtier_holds_dropped_total") == 0
+        for wrong in (object(), None, "engine"):
+            with pytest.raises(kvtier.errors.InvalidArgumentError, match="TransferEngine"):
+                register_prometheus(wrong, CollectorRegistry())  # type: ignore[arg-type]
+    assert registry.get_sample_value("kvtier_slots", {"state": "resident"}) is None  # closed
