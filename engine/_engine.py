@@ -222,7 +222,8 @@ class Hold:
     it) and a key only on NVMe has its row pinned: neither is evicted, nor
     its slot or row reused, until the hold is released. A held NVMe-only key
     keeps its row, not a CPU slot: its load still needs a free or evictable
-    slot to promote it into. A context manager: ``with engine.hold(keys) as
+    slot to promote it into; once a load or prefetch has promoted it, the
+    hold pins that slot too (until the release). A context manager: ``with engine.hold(keys) as
     held: ...`` releases on exit. A hold that is garbage-collected before
     its release (the last reference dropped, e.g. by a request aborted
     between its admission and its load) is released then, on the engine's
@@ -249,9 +250,10 @@ class Hold:
         residency: tuple[Residency, ...],
         cpu: list[OffloadKey],
         rows: list[Any],
+        row_keys: list[OffloadKey],
     ) -> None:
         self._engine: TransferEngine | None = engine
-        self._pins = _Pins(cpu, rows)
+        self._pins = _Pins(cpu, rows, row_keys)
         self.keys = keys
         self.residency = residency
         # BackgroundEngine routes the release to its engine thread.
@@ -319,13 +321,19 @@ class Hold:
 
 
 class _Pins:
-    """What one :class:`Hold` pinned, released once (on the engine's loop thread)."""
+    """What one :class:`Hold` pinned, released once (on the engine's loop thread).
 
-    __slots__ = ("cpu", "released", "rows")
+    ``cpu``: keys whose slots it pinned (at the call, and NVMe-only keys
+    promoted since: :meth:`TransferEngine._hold_promoted`); ``rows``: the
+    row refs it pinned, ``row_keys`` their keys.
+    """
 
-    def __init__(self, cpu: list[OffloadKey], rows: list[Any]) -> None:
+    __slots__ = ("cpu", "released", "row_keys", "rows")
+
+    def __init__(self, cpu: list[OffloadKey], rows: list[Any], row_keys: list[OffloadKey]) -> None:
         self.cpu = cpu
         self.rows = rows
+        self.row_keys = row_keys
         self.released = False
 
 
@@ -406,6 +414,8 @@ class TransferEngine:
         # is garbage-collected, and its __del__ has the engine release its pins.
         self._holds: weakref.WeakSet[Hold] = weakref.WeakSet()
         self._holds_dropped = 0  # holds garbage-collected unreleased (then released)
+        # NVMe-only keys held by their rows -> the holds: a promotion pins the new slot too.
+        self._row_holds: dict[OffloadKey, list[_Pins]] = {}
         self._close_task: asyncio.Task[None] | None = None
         # While start() runs: its end (set once it returned or raised), and
         # whether aclose() asked it to stop at its next step.
@@ -763,9 +773,10 @@ class TransferEngine:
         hits a step later; a store in between could evict them, and the load
         would then fail them. Held keys are not evicted: a key in a CPU slot
         is pinned there, a key only on NVMe has its row pinned (a load then
-        promotes it as usual, into a free or evictable slot; with every slot
-        pinned that key fails). Stores that need room evict other keys, or
-        are rejected when only held ones are left (as vLLM's
+        promotes it as usual, into a free or evictable slot, which the hold
+        then pins too; with every slot pinned that key fails). Stores that
+        need room evict other keys, or are rejected when only held ones are
+        left (as vLLM's
         ``OffloadingManager.prepare_load`` protects blocks until
         ``complete_load``, and LMCache's ``lookup(pin=True)`` until
         ``lookup_unpin``). Release it after the load returned (a ``with``
@@ -793,6 +804,7 @@ class TransferEngine:
         keys = self._key_list(keys)
         cpu: list[OffloadKey] = []
         rows: list[Any] = []
+        row_keys: list[OffloadKey] = []
         residency: list[Residency] = []
         for key in keys:
             entry = self._pool.get(key)
@@ -805,10 +817,13 @@ class TransferEngine:
                     residency.append(Residency.CPU)
             elif self._nvme is not None and (ref := self._nvme.hold_row(key)) is not None:
                 rows.append(ref)
+                row_keys.append(key)
                 residency.append(Residency.NVME)
             else:
                 residency.append(Residency.MISS)
-        held = Hold(self, tuple(keys), tuple(residency), cpu, rows)
+        held = Hold(self, tuple(keys), tuple(residency), cpu, rows, row_keys)
+        for key in row_keys:
+            self._row_holds.setdefault(key, []).append(held._pins)
         self._holds.add(held)
         return held
 
@@ -833,6 +848,12 @@ class TransferEngine:
         if pins.released:
             return False
         pins.released = True
+        for key in pins.row_keys:
+            holders = self._row_holds.get(key)
+            if holders is not None:
+                holders.remove(pins)
+                if not holders:
+                    del self._row_holds[key]
         if self._state == "closed":
             return True  # the pool and the tier are gone
         for key in pins.cpu:
@@ -841,6 +862,16 @@ class TransferEngine:
             for ref in pins.rows:
                 self._nvme.release_row(ref)
         return True
+
+    def _hold_promoted(self, key: OffloadKey) -> None:
+        """``key`` was promoted into a slot (committed, loop thread): holds of its row pin the slot.
+
+        So a held key that a load or prefetch brought in from NVMe stays in
+        its CPU slot until the hold is released, as a key held in a slot does.
+        """
+        for pins in self._row_holds.get(key, ()):
+            self._pool.pin(key)
+            pins.cpu.append(key)
 
     def _hold_dropped(self, pins: _Pins) -> None:
         """A :class:`Hold` was garbage-collected unreleased: release its pins on the loop.

@@ -424,6 +424,7 @@ class NVMeWriter:
         for key in reversed(ok):  # recency: the call's first key ends most recently used
             pool.commit(key, hint=hint)
             pool.pin(key)
+            engine._hold_promoted(key)  # a hold of its row pins the slot too
         ready.set_result(True)
         return ok, errors
 

@@ -223,3 +223,63 @@ async def test_stores_that_copy_nothing_yield_so_nvme_writes_can_free_the_slots(
             raise AssertionError("the rows were never written: the retries starved them")
         assert (await e.store(late)).skipped == (late[0].key,)
         await e.flush()
+
+
+@pytest.mark.parametrize("bring_in", ["prefetch", "load"])
+async def test_a_held_nvme_key_promoted_stays_pinned_in_its_slot_until_release(
+    tmp_path: Path, bring_in: str
+) -> None:
+    """A scheduler holds a request's keys, prefetches the ones on NVMe ahead, and loads a
+    step later: stores in between must not push them back to NVMe. Before session 19 the
+    hold pinned only the rows, so the promoted copies were evicted again."""
+    layout, t, slot = one_group()
+    chain = chunk_chain("a", 3, 0)
+    config = kvtier.EngineConfig(4 * slot, 1, nvme=nvme_rows(tmp_path, slot))
+    async with kvtier.TransferEngine(layout, config) as engine:
+        await engine.store(chain, durable=True)
+    async with kvtier.TransferEngine(layout, config) as engine:
+        held = engine.hold([*keys_of(chain), chain[0].key])  # a0 twice: held twice
+        assert held.residency == (N, N, N, N)
+        if bring_in == "prefetch":
+            pre = await engine.prefetch(keys_of(chain[:2]))
+            assert set(pre.promoted) == set(keys_of(chain[:2]))
+        else:
+            out = await engine.load(
+                [kvtier.Chunk(c.key, [40 + i]) for i, c in enumerate(chain[:2])]
+            )
+            assert out.loaded == tuple(keys_of(chain[:2]))
+        assert engine.stats().slots_pinned == 2
+        # a burst of stores: two free slots are left, the promoted keys stay in theirs
+        res = await engine.store(chunk_chain("x", 4, 10))
+        assert len(res.stored) == 2
+        assert engine.lookup(keys_of(chain)) == [C, C, N]
+        await engine.flush()  # the new keys' slots are evictable once their rows are written
+        out = await engine.load([kvtier.Chunk(c.key, [50 + i]) for i, c in enumerate(chain)])
+        assert out.loaded == tuple(keys_of(chain))
+        for i in range(3):
+            assert torch.equal(t[50 + i], t[i])
+        assert engine.stats().slots_pinned == 3  # a2 was promoted by that load: pinned too
+        assert engine.stats().nvme["rows_pinned"] == 3
+        held.release()
+        assert engine.stats().slots_pinned == 0
+        assert engine.stats().nvme["rows_pinned"] == 0
+        res = await engine.store(chunk_chain("y", 4, 20))  # evictable again
+        assert len(res.stored) == 4
+        assert C not in engine.lookup(keys_of(chain))
+
+
+async def test_a_promotion_after_the_release_pins_nothing(tmp_path: Path) -> None:
+    layout, _, slot = one_group()
+    chain = chunk_chain("a", 2, 0)
+    config = kvtier.EngineConfig(4 * slot, 1, nvme=nvme_rows(tmp_path, slot))
+    async with kvtier.TransferEngine(layout, config) as engine:
+        await engine.store(chain, durable=True)
+    async with kvtier.TransferEngine(layout, config) as engine:
+        with engine.hold(keys_of(chain)) as held:
+            assert held.residency == (N, N)
+        other = engine.hold(keys_of(chain[1:]))  # a second hold of a1 only
+        pre = await engine.prefetch(keys_of(chain))
+        assert set(pre.promoted) == set(keys_of(chain))
+        assert engine.stats().slots_pinned == 1  # a1, by the open hold
+        other.release()
+        assert engine.stats().slots_pinned == 0
