@@ -414,8 +414,10 @@ class TransferEngine:
         # is garbage-collected, and its __del__ has the engine release its pins.
         self._holds: weakref.WeakSet[Hold] = weakref.WeakSet()
         self._holds_dropped = 0  # holds garbage-collected unreleased (then released)
-        # NVMe-only keys held by their rows -> the holds: a promotion pins the new slot too.
-        self._row_holds: dict[OffloadKey, list[_Pins]] = {}
+        # NVMe-only keys held by their rows -> {hold: times it lists the key}: a
+        # promotion pins the new slot too. A dict, so ending one of many holds
+        # of a shared prefix key costs O(1), not a scan of the others.
+        self._row_holds: dict[OffloadKey, dict[_Pins, int]] = {}
         self._close_task: asyncio.Task[None] | None = None
         # While start() runs: its end (set once it returned or raised), and
         # whether aclose() asked it to stop at its next step.
@@ -823,7 +825,8 @@ class TransferEngine:
                 residency.append(Residency.MISS)
         held = Hold(self, tuple(keys), tuple(residency), cpu, rows, row_keys)
         for key in row_keys:
-            self._row_holds.setdefault(key, []).append(held._pins)
+            holders = self._row_holds.setdefault(key, {})
+            holders[held._pins] = holders.get(held._pins, 0) + 1
         self._holds.add(held)
         return held
 
@@ -851,7 +854,7 @@ class TransferEngine:
         for key in pins.row_keys:
             holders = self._row_holds.get(key)
             if holders is not None:
-                holders.remove(pins)
+                holders.pop(pins, None)
                 if not holders:
                     del self._row_holds[key]
         if self._state == "closed":
@@ -869,9 +872,10 @@ class TransferEngine:
         So a held key that a load or prefetch brought in from NVMe stays in
         its CPU slot until the hold is released, as a key held in a slot does.
         """
-        for pins in self._row_holds.get(key, ()):
-            self._pool.pin(key)
-            pins.cpu.append(key)
+        for pins, times in self._row_holds.get(key, {}).items():
+            for _ in range(times):
+                self._pool.pin(key)
+                pins.cpu.append(key)
 
     def _hold_dropped(self, pins: _Pins) -> None:
         """A :class:`Hold` was garbage-collected unreleased: release its pins on the loop.
