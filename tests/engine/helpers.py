@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -123,6 +124,27 @@ async def settle(n: int = 5) -> None:
     """Let the loop run ``n`` rounds of ready callbacks (releases scheduled from elsewhere)."""
     for _ in range(n):
         await asyncio.sleep(0)
+
+
+@contextlib.contextmanager
+def loop_errors() -> Iterator[list[dict[str, Any]]]:
+    """Collect what the running loop's exception handler gets (an exception in a callback)."""
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, Any]] = []
+    old = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    try:
+        yield errors
+    finally:
+        loop.set_exception_handler(old)
+
+
+async def nvme_only(
+    layout: kvtier.KVLayout, config: kvtier.EngineConfig, chunks: list[kvtier.Chunk]
+) -> None:
+    """Store ``chunks`` durably and close: the next engine of ``config`` finds them on NVMe only."""
+    async with kvtier.TransferEngine(layout, config) as engine:
+        await engine.store(chunks, durable=True)
 
 
 def logged(caplog: Any, text: str, logger: str = "kvtier") -> int:

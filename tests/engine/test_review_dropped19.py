@@ -37,6 +37,8 @@ from tests.engine.helpers import (
     chunk_chain,
     keys_of,
     logged,
+    loop_errors,
+    nvme_only,
     nvme_rows,
     one_group,
     settle,
@@ -55,19 +57,6 @@ def _waituntil(cond: Any, seconds: float = 10.0) -> bool:
             return True
         time.sleep(0.002)
     return bool(cond())
-
-
-@contextlib.contextmanager
-def _loop_errors() -> Iterator[list[dict[str, Any]]]:
-    """Collect what the running loop's exception handler gets (an exception in a callback)."""
-    loop = asyncio.get_running_loop()
-    errors: list[dict[str, Any]] = []
-    old = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
-    try:
-        yield errors
-    finally:
-        loop.set_exception_handler(old)
 
 
 @contextlib.contextmanager
@@ -100,12 +89,6 @@ class _Cycle:
     def __init__(self, held: kvtier.Hold) -> None:
         self.held = held
         self.me = self
-
-
-async def _nvme_only(layout: kvtier.KVLayout, config: kvtier.EngineConfig, chunks: Any) -> None:
-    """Store ``chunks`` durably and close: the next engine finds them on NVMe only."""
-    async with kvtier.TransferEngine(layout, config) as engine:
-        await engine.store(chunks, durable=True)
 
 
 # ===================================================================== pin counts
@@ -152,7 +135,7 @@ async def test_two_holds_of_one_row_count_it_once_and_a_drop_leaves_the_other(
     layout, _, slot = one_group()
     config = kvtier.EngineConfig(4 * slot, 1, nvme=nvme_rows(tmp_path, slot, 2))
     a = chunk_chain("a", 1, 0)
-    await _nvme_only(layout, config, a)
+    await nvme_only(layout, config, a)
     async with kvtier.TransferEngine(layout, config) as engine:
         registry = CollectorRegistry()
         register_prometheus(engine, registry)
@@ -186,7 +169,7 @@ async def test_many_holds_dropped_at_once_and_from_many_threads_return_every_pin
     layout, _, slot = one_group()
     config = kvtier.EngineConfig(4 * slot, 1, nvme=nvme_rows(tmp_path, slot, None))
     chain = chunk_chain("a", 8, 0)
-    await _nvme_only(layout, config, chain[:4])
+    await nvme_only(layout, config, chain[:4])
     async with kvtier.TransferEngine(layout, config) as engine:
         await engine.store(chain[4:])
         registry = CollectorRegistry()
@@ -238,7 +221,7 @@ async def test_a_hold_dropped_while_its_nvme_key_is_read_keeps_the_row_until_the
         4 * slot, 1, nvme=nvme_rows(tmp_path, slot, None, row_io_wrapper=gate.wrap)
     )
     a = chunk_chain("a", 2, 0)
-    await _nvme_only(layout, config, a)
+    await nvme_only(layout, config, a)
     async with kvtier.TransferEngine(layout, config) as engine:
         box = [engine.hold(keys_of(a))]
         assert engine.stats().nvme["rows_pinned"] == 2
@@ -269,7 +252,7 @@ async def test_rows_pinned_with_reads_in_flight_and_after_failed_reads(tmp_path:
         4 * slot, 1, nvme=nvme_rows(tmp_path, slot, 3, row_io_wrapper=gate.wrap)
     )
     a = chunk_chain("a", 3, 0)
-    await _nvme_only(layout, config, a)
+    await nvme_only(layout, config, a)
     async with kvtier.TransferEngine(layout, config) as engine:
         registry = CollectorRegistry()
         register_prometheus(engine, registry)
@@ -320,8 +303,8 @@ async def test_a_hold_dropped_in_a_done_callback_and_by_gc_on_a_read_thread(
         4 * slot, 1, nvme=nvme_rows(tmp_path, slot, None, row_io_wrapper=gate.wrap)
     )
     a, b = chunk_chain("a", 1, 0), chunk_chain("b", 1, 1)
-    await _nvme_only(layout, config, a)
-    with _gc_off(), _loop_errors() as errors:
+    await nvme_only(layout, config, a)
+    with _gc_off(), loop_errors() as errors:
         async with kvtier.TransferEngine(layout, config) as engine:
             await engine.store(b)
             box = [engine.hold(keys_of(b))]
@@ -362,10 +345,10 @@ async def test_holds_collected_at_any_allocation_while_the_engine_works(
     layout, _, slot = one_group()
     config = kvtier.EngineConfig(6 * slot, 1, nvme=nvme_rows(tmp_path, slot, None))
     base = chunk_chain("n", 6, 0)
-    await _nvme_only(layout, config, base)
+    await nvme_only(layout, config, base)
     threshold = gc.get_threshold()
     dropped = 0
-    with _loop_errors() as errors:
+    with loop_errors() as errors:
         async with kvtier.TransferEngine(layout, config) as engine:
             gc.set_threshold(5, 2, 2)
             try:
@@ -466,7 +449,7 @@ async def test_a_hold_dropped_on_another_thread_while_aclose_runs_is_released_on
         4 * slot, 1, nvme=nvme_rows(tmp_path, slot, None, row_io_wrapper=gate.wrap)
     )
     a, b = chunk_chain("a", 1, 0), chunk_chain("b", 1, 1)
-    await _nvme_only(layout, config, b)
+    await nvme_only(layout, config, b)
     entered, go = threading.Event(), threading.Event()
     engine = await kvtier.TransferEngine(layout, config).start()
     dropped = engine._hold_dropped
@@ -479,7 +462,7 @@ async def test_a_hold_dropped_on_another_thread_while_aclose_runs_is_released_on
 
     engine._hold_dropped = slow_drop  # type: ignore[method-assign]
     try:
-        with _loop_errors() as errors:
+        with loop_errors() as errors:
             await engine.store(a)
             box = [engine.hold(keys_of(a))]
             assert engine.stats().slots_pinned == 1

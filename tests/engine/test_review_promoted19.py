@@ -17,11 +17,10 @@ test at the end checks the accounting, not the time).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import random
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,8 @@ from tests.engine.helpers import (
     GatedRowIO,
     chunk_chain,
     keys_of,
+    loop_errors,
+    nvme_only,
     nvme_rows,
     one_group,
     settle,
@@ -46,25 +47,6 @@ M, P, C, N = (
     kvtier.Residency.CPU,
     kvtier.Residency.NVME,
 )
-
-
-@contextlib.contextmanager
-def _loop_errors() -> Iterator[list[dict[str, Any]]]:
-    """Collect what the running loop's exception handler gets (e.g. a SlotStateError)."""
-    loop = asyncio.get_running_loop()
-    errors: list[dict[str, Any]] = []
-    old = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
-    try:
-        yield errors
-    finally:
-        loop.set_exception_handler(old)
-
-
-async def _nvme_only(layout: kvtier.KVLayout, config: kvtier.EngineConfig, chunks: Any) -> None:
-    """Store ``chunks`` durably and close: the next engine finds them on NVMe only."""
-    async with kvtier.TransferEngine(layout, config) as engine:
-        await engine.store(chunks, durable=True)
 
 
 def _pins(engine: Any) -> tuple[int, int]:
@@ -128,8 +110,8 @@ async def test_a_hold_ended_while_its_promotion_is_in_flight_pins_nothing_after(
     gate = Gate()
     config = _config(tmp_path, 4, gate)
     a = chunk_chain("a", 2, 0)
-    await _nvme_only(layout, config, a)
-    with _loop_errors() as errors:
+    await nvme_only(layout, config, a)
+    with loop_errors() as errors:
         async with kvtier.TransferEngine(layout, config) as engine:
             box = [engine.hold([*keys_of(a), a[0].key])]  # a0 twice
             assert box[0].residency == (N, N, N)
@@ -184,8 +166,8 @@ async def test_a_hold_dropped_on_the_read_thread_as_its_row_lands_is_released_on
     gate = Gate()
     config = _config(tmp_path, 4, gate)
     a = chunk_chain("a", 3, 0)
-    await _nvme_only(layout, config, a)
-    with _loop_errors() as errors:
+    await nvme_only(layout, config, a)
+    with loop_errors() as errors:
         async with kvtier.TransferEngine(layout, config) as engine:
             for round_ in range(6):
                 box = [engine.hold(keys_of(a)) for _ in range(3)]
@@ -235,8 +217,8 @@ async def test_a_held_key_whose_promotion_fails_leaves_no_slot_pin(
         nvme=nvme_rows(tmp_path, slot, None, row_io_wrapper=lambda i: _FlipRowIO(i, gate)),
     )
     a = chunk_chain("a", 2, 0)
-    await _nvme_only(layout, config, a)
-    with _loop_errors() as errors:
+    await nvme_only(layout, config, a)
+    with loop_errors() as errors:
         async with kvtier.TransferEngine(layout, config) as engine:
             h1 = engine.hold([a[0].key, a[0].key, a[1].key])
             h2 = engine.hold(keys_of(a[1:]))
@@ -289,8 +271,8 @@ async def test_two_holds_of_two_keys_one_promotion_fails_one_lands(tmp_path: Pat
         nvme=nvme_rows(tmp_path, slot, None, row_io_wrapper=lambda i: _OneFlip(i, gate)),
     )
     a = chunk_chain("a", 2, 0)
-    await _nvme_only(layout, config, a)
-    with _loop_errors() as errors:
+    await nvme_only(layout, config, a)
+    with loop_errors() as errors:
         async with kvtier.TransferEngine(layout, config) as engine:
             h1 = engine.hold([a[0].key, a[0].key, a[1].key, a[1].key])
             h2 = engine.hold(keys_of(a))
@@ -322,8 +304,8 @@ async def test_a_held_key_whose_row_failed_then_restored_and_promoted_again_is_r
     gate = Gate()
     config = _config(tmp_path, 2, gate)
     a = chunk_chain("a", 1, 0)
-    await _nvme_only(layout, config, a)
-    with _loop_errors() as errors:
+    await nvme_only(layout, config, a)
+    with loop_errors() as errors:
         async with kvtier.TransferEngine(layout, config) as engine:
             held = engine.hold(keys_of(a))
             gate.armed = gate.fail = True
@@ -357,8 +339,8 @@ async def test_a_load_cancelled_mid_promotion_leaves_the_hold_pin_alone(tmp_path
     gate = Gate()
     config = _config(tmp_path, 4, gate)
     a = chunk_chain("a", 2, 0)
-    await _nvme_only(layout, config, a)
-    with _loop_errors() as errors:
+    await nvme_only(layout, config, a)
+    with loop_errors() as errors:
         async with kvtier.TransferEngine(layout, config) as engine:
             held = engine.hold(keys_of(a))
             gate.armed = True
@@ -397,8 +379,8 @@ async def test_loads_of_one_block_wait_their_turn_while_the_hold_is_released(
     config = _config(tmp_path, 4, gate)
     a = chunk_chain("a", 1, 0)
     b = chunk_chain("b", 1, 5)
-    await _nvme_only(layout, config, a)
-    with _loop_errors() as errors:
+    await nvme_only(layout, config, a)
+    with loop_errors() as errors:
         async with kvtier.TransferEngine(layout, config) as engine:
             await engine.store(b)
             held = engine.hold([*keys_of(a), *keys_of(b)])
@@ -428,8 +410,8 @@ async def test_aclose_with_a_held_keys_promotion_in_flight(tmp_path: Path, hard:
     gate = Gate()
     config = _config(tmp_path, 4, gate)
     a = chunk_chain("a", 2, 0)
-    await _nvme_only(layout, config, a)
-    with _loop_errors() as errors:
+    await nvme_only(layout, config, a)
+    with loop_errors() as errors:
         engine = await kvtier.TransferEngine(layout, config).start()
         held = engine.hold(keys_of(a))
         box = [engine.hold(keys_of(a))]
@@ -471,9 +453,9 @@ async def test_prefetch_of_held_keys_into_a_pool_the_hold_fills_fails_cleanly(
     gate = Gate()
     config = _config(tmp_path, 2, gate, eviction=eviction)
     a = chunk_chain("a", 4, 0)
-    await _nvme_only(layout, config, a[2:])
-    await _nvme_only(layout, config, a[:2])
-    with _loop_errors() as errors:
+    await nvme_only(layout, config, a[2:])
+    await nvme_only(layout, config, a[:2])
+    with loop_errors() as errors:
         async with kvtier.TransferEngine(layout, config) as engine:
             held = engine.hold(keys_of(a))
             assert held.residency == (N, N, N, N)
@@ -520,8 +502,8 @@ async def test_a_store_of_a_held_nvme_key_is_skipped_and_its_promotion_pinned(
     gate = Gate()
     config = _config(tmp_path, 4, gate)
     a = chunk_chain("a", 2, 0)
-    await _nvme_only(layout, config, a)
-    with _loop_errors() as errors:
+    await nvme_only(layout, config, a)
+    with loop_errors() as errors:
         async with kvtier.TransferEngine(layout, config) as engine:
             h1 = engine.hold(keys_of(a))
             h2 = engine.hold([a[0].key, a[0].key])
@@ -610,8 +592,8 @@ async def test_holds_promotions_drops_and_cancellations_at_random_return_every_p
         6 * slot, 1, nvme=nvme_rows(tmp_path, slot, None, row_io_wrapper=gate.wrap)
     )
     a = chunk_chain("a", 12, 0)
-    await _nvme_only(layout, config, a)
-    with _loop_errors() as errors:
+    await nvme_only(layout, config, a)
+    with loop_errors() as errors:
         async with kvtier.TransferEngine(layout, config) as engine:
             holds: list[kvtier.Hold] = []
             tasks: list[asyncio.Future[Any]] = []
@@ -693,7 +675,7 @@ async def test_many_holds_of_one_nvme_key_end_in_any_order_and_a_promotion_pins_
     layout, _, slot = one_group()
     config = kvtier.EngineConfig(4 * slot, 1, nvme=nvme_rows(tmp_path, slot))
     a = chunk_chain("a", 1, 0)
-    await _nvme_only(layout, config, a)
+    await nvme_only(layout, config, a)
     async with kvtier.TransferEngine(layout, config) as engine:
         k = a[0].key
         holds = [engine.hold([k] * (1 + i % 2)) for i in range(3000)]
