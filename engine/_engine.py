@@ -249,11 +249,10 @@ class Hold:
         keys: tuple[OffloadKey, ...],
         residency: tuple[Residency, ...],
         cpu: list[OffloadKey],
-        rows: list[Any],
-        row_keys: list[OffloadKey],
+        rows: list[tuple[OffloadKey, Any]],
     ) -> None:
         self._engine: TransferEngine | None = engine
-        self._pins = _Pins(cpu, rows, row_keys)
+        self._pins = _Pins(cpu, rows)
         self.keys = keys
         self.residency = residency
         # BackgroundEngine routes the release to its engine thread.
@@ -324,16 +323,15 @@ class _Pins:
     """What one :class:`Hold` pinned, released once (on the engine's loop thread).
 
     ``cpu``: keys whose slots it pinned (at the call, and NVMe-only keys
-    promoted since: :meth:`TransferEngine._hold_promoted`); ``rows``: the
-    row refs it pinned, ``row_keys`` their keys.
+    promoted since: :meth:`TransferEngine._hold_promoted`); ``rows``: ``(key,
+    row ref)`` of the NVMe rows it pinned.
     """
 
-    __slots__ = ("cpu", "released", "row_keys", "rows")
+    __slots__ = ("cpu", "released", "rows")
 
-    def __init__(self, cpu: list[OffloadKey], rows: list[Any], row_keys: list[OffloadKey]) -> None:
+    def __init__(self, cpu: list[OffloadKey], rows: list[tuple[OffloadKey, Any]]) -> None:
         self.cpu = cpu
         self.rows = rows
-        self.row_keys = row_keys
         self.released = False
 
 
@@ -805,8 +803,7 @@ class TransferEngine:
         self._check_open()
         keys = self._key_list(keys)
         cpu: list[OffloadKey] = []
-        rows: list[Any] = []
-        row_keys: list[OffloadKey] = []
+        rows: list[tuple[OffloadKey, Any]] = []
         residency: list[Residency] = []
         for key in keys:
             entry = self._pool.get(key)
@@ -818,13 +815,12 @@ class TransferEngine:
                     cpu.append(key)
                     residency.append(Residency.CPU)
             elif self._nvme is not None and (ref := self._nvme.hold_row(key)) is not None:
-                rows.append(ref)
-                row_keys.append(key)
+                rows.append((key, ref))
                 residency.append(Residency.NVME)
             else:
                 residency.append(Residency.MISS)
-        held = Hold(self, tuple(keys), tuple(residency), cpu, rows, row_keys)
-        for key in row_keys:
+        held = Hold(self, tuple(keys), tuple(residency), cpu, rows)
+        for key, _ in rows:
             holders = self._row_holds.setdefault(key, {})
             holders[held._pins] = holders.get(held._pins, 0) + 1
         self._holds.add(held)
@@ -851,7 +847,7 @@ class TransferEngine:
         if pins.released:
             return False
         pins.released = True
-        for key in pins.row_keys:
+        for key, _ in pins.rows:
             holders = self._row_holds.get(key)
             if holders is not None:
                 holders.pop(pins, None)
@@ -862,7 +858,7 @@ class TransferEngine:
         for key in pins.cpu:
             self._pool.unpin(key)
         if self._nvme is not None:
-            for ref in pins.rows:
+            for _, ref in pins.rows:
                 self._nvme.release_row(ref)
         return True
 

@@ -165,19 +165,19 @@ class NVMeWriter:
         tier = self._tier
         left = [len(batches)]
 
-        def touch(_: object = None) -> None:
-            left[0] -= 1
-            if left[0] > 0:
-                return
+        def touch_all() -> None:
             for key in reversed(call):
                 tier.touch(key)  # no-op for a key not (or no longer) on NVMe
 
-        if not batches:
-            left[0] = 1
-            touch()
-            return
+        def one_done(_: object) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                touch_all()
+
+        if not batches:  # every key was skipped: nothing to wait for
+            touch_all()
         for fut in batches:
-            fut.add_done_callback(touch)
+            fut.add_done_callback(one_done)
 
     def _open_batch(self) -> _Batch:
         """Open a batch for new keys; its task writes it once a write slot is free."""
