@@ -942,8 +942,17 @@ async def _random_run(
     )
     keys = list(m.keys)
     targets = range(m.SOURCES, m.NB)
-    most_turns = promoted = 0
     engine = await bounded(kvtier.TransferEngine(m.layout, cfg).start())
+    take_turn = engine._take_turn
+    seen = [0]
+
+    def counted_take_turn(chunks: list[kvtier.Chunk]) -> Any:
+        # the only place a turn is queued: count every queue length, not samples
+        out = take_turn(chunks)
+        seen[0] = max(seen[0], len(engine._load_turns))
+        return out
+
+    engine._take_turn = counted_take_turn  # type: ignore[method-assign]
     try:
         for _round in range(10):
             before = {(g, b): m.page((g, b)) for g in m.tensors for b in targets}
@@ -983,8 +992,6 @@ async def _random_run(
                 tasks.append(task)
                 for _ in range(rng.choice([0, 0, 1, 2])):
                     await asyncio.sleep(0)
-                    most_turns = max(most_turns, len(engine._load_turns))
-                most_turns = max(most_turns, len(engine._load_turns))
             for t in tasks:
                 await outcome(t)
             calls = []
@@ -1003,6 +1010,7 @@ async def _random_run(
             await quiet(engine)
         stats = engine.stats()
         promoted, evicted = stats.nvme_hits, stats.nvme["evictions"]
+        most_turns = seen[0]
     finally:
         gate.opened.set()
         await bounded(engine.aclose())
