@@ -135,9 +135,11 @@ class _SlowWrites(CountingRowIO):
     def __init__(self, inner: RowIO) -> None:
         super().__init__(inner)
         self.slow = threading.Event()
+        self.writing = threading.Event()  # a slowed row write started
 
     def pwritev(self, handle: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
         if self.slow.is_set() and sum(len(b) for b in bufs) > 4096:  # rows, not blanked trailers
+            self.writing.set()
             time.sleep(0.2)
         return super().pwritev(handle, bufs, file_offset)
 
@@ -155,7 +157,11 @@ async def test_rows_in_flight_or_pinned_are_never_evicted(open_tier, slots) -> N
     holder[0].slow.set()
     first = [(key(i, 1), 0, 4, buf.fill(i, payload(key(i, 1), 4096))) for i in range(2)]
     slow = asyncio.get_running_loop().create_task(tier.write_rows(first))
-    await asyncio.sleep(0.05)
+    for _ in range(5000):  # until its rows are being written (not a fixed sleep)
+        if holder[0].writing.is_set():
+            break
+        await asyncio.sleep(0.001)
+    assert holder[0].writing.is_set()
     late = (key(2, 1), 0, 4, buf.fill(2, payload(key(2, 1), 4096)))
     (err,) = await tier.write_rows([late])  # both rows are in flight: no room
     assert isinstance(err, StorageError)
