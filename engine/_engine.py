@@ -868,7 +868,10 @@ class TransferEngine:
         So a held key that a load or prefetch brought in from NVMe stays in
         its CPU slot until the hold is released, as a key held in a slot does.
         """
-        for pins, times in self._row_holds.get(key, {}).items():
+        holders = self._row_holds.get(key)
+        if holders is None:  # the common case: no hold of its row
+            return
+        for pins, times in holders.items():
             for _ in range(times):
                 self._pool.pin(key)
                 pins.cpu.append(key)
