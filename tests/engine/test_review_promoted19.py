@@ -88,12 +88,15 @@ class _OneFlip(GatedRowIO):
         return n
 
 
-def _config(tmp_path: Path, slots: int, gate: Gate, **kw: Any) -> kvtier.EngineConfig:
+def _config(
+    tmp_path: Path, slots: int, gate: Gate, row_io: type[GatedRowIO] = GatedRowIO, **kw: Any
+) -> kvtier.EngineConfig:
+    """``slots`` CPU slots of :func:`one_group`, NVMe rows through ``row_io(inner, gate)``."""
     layout_slot = one_group()[2]
     return kvtier.EngineConfig(
         slots * layout_slot,
         1,
-        nvme=nvme_rows(tmp_path, layout_slot, None, row_io_wrapper=gate.wrap),
+        nvme=nvme_rows(tmp_path, layout_slot, None, row_io_wrapper=lambda i: row_io(i, gate)),
         **kw,
     )
 
@@ -208,14 +211,10 @@ async def test_a_hold_dropped_on_the_read_thread_as_its_row_lands_is_released_on
 async def test_a_held_key_whose_promotion_fails_leaves_no_slot_pin(
     tmp_path: Path, fault: str, bring_in: str
 ) -> None:
-    layout, _, slot = one_group()
+    layout, _, _ = one_group()
     gate = Gate()
     _FlipRowIO.flip = False
-    config = kvtier.EngineConfig(
-        4 * slot,
-        1,
-        nvme=nvme_rows(tmp_path, slot, None, row_io_wrapper=lambda i: _FlipRowIO(i, gate)),
-    )
+    config = _config(tmp_path, 4, gate, _FlipRowIO)
     a = chunk_chain("a", 2, 0)
     await nvme_only(layout, config, a)
     with loop_errors() as errors:
@@ -262,14 +261,10 @@ async def test_a_held_key_whose_promotion_fails_leaves_no_slot_pin(
 
 
 async def test_two_holds_of_two_keys_one_promotion_fails_one_lands(tmp_path: Path) -> None:
-    layout, t, slot = one_group()
+    layout, t, _ = one_group()
     gate = Gate()
     _FlipRowIO.flip = False
-    config = kvtier.EngineConfig(
-        4 * slot,
-        1,
-        nvme=nvme_rows(tmp_path, slot, None, row_io_wrapper=lambda i: _OneFlip(i, gate)),
-    )
+    config = _config(tmp_path, 4, gate, _OneFlip)
     a = chunk_chain("a", 2, 0)
     await nvme_only(layout, config, a)
     with loop_errors() as errors:
