@@ -22,6 +22,7 @@ import pytest
 from kvtier import OffloadKey
 from kvtier.errors import StorageError
 from kvtier.io import NVMeTier, RowIO
+from tests.reliability._faultio import until_set
 
 from .conftest import GROUP_NBYTES, key, payload, tier_kwargs
 from .faults import CountingRowIO
@@ -157,11 +158,7 @@ async def test_rows_in_flight_or_pinned_are_never_evicted(open_tier, slots) -> N
     holder[0].slow.set()
     first = [(key(i, 1), 0, 4, buf.fill(i, payload(key(i, 1), 4096))) for i in range(2)]
     slow = asyncio.get_running_loop().create_task(tier.write_rows(first))
-    for _ in range(5000):  # until its rows are being written (not a fixed sleep)
-        if holder[0].writing.is_set():
-            break
-        await asyncio.sleep(0.001)
-    assert holder[0].writing.is_set()
+    await until_set(holder[0].writing, "the slowed row write never started")
     late = (key(2, 1), 0, 4, buf.fill(2, payload(key(2, 1), 4096)))
     (err,) = await tier.write_rows([late])  # both rows are in flight: no room
     assert isinstance(err, StorageError)
