@@ -1,4 +1,4 @@
-"""The usage examples of the README and the docs run as written (their NVMe roots moved to a temp dir)."""
+"""The usage examples of the README and the docs run as written (NVMe roots in a temp dir)."""
 
 from __future__ import annotations
 

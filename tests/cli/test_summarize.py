@@ -115,7 +115,7 @@ def test_a_figure_that_no_run_has_is_a_dash(tmp_path: Path) -> None:
 
 
 def test_recorded_results_as_in_the_readme_and_the_benchmarks_page() -> None:
-    """The script runs on the repository's results; the README and docs show its table as printed."""
+    """It runs on the repository's results; the README and the docs show its table as printed."""
     out = subprocess.run(
         [sys.executable, str(SCRIPT)],
         check=True,
