@@ -10,15 +10,15 @@ group mix of a serving engine's stores shifts. Alternating in every repeat:
   least recently used key of its own group when it is among the 32 least
   recently used keys, and overwrites that row in place; otherwise as
   ``strict``.
-- ``strict``: strict LRU (``eviction_window=1``, session 10): an evicted row
+- ``strict``: strict LRU (``eviction_window=1``): an evicted row
   of another group is blanked by zeroing its 4 KiB trailer and keeps its
   blocks; its group's next write overwrites it in place.
-- ``punched``: kvtier before session 10, restored from outside for this
-  measurement: strict LRU, and such a row is blanked with a punched hole
+- ``punched``: the alternative of punching freed rows, restored from outside
+  for this measurement: strict LRU, and such a row is blanked with a punched hole
   (``fallocate(PUNCH_HOLE)``), so its next write lands in unallocated blocks.
 - ``overlapped``: as ``window``, but the rows of other groups that a batch
-  evicts are blanked while its rows are written (kvtier before session 12,
-  restored from outside), not before: a crash could then leave more valid
+  evicts are blanked while its rows are written (the alternative
+  ordering, restored from outside), not before: a crash could then leave more valid
   rows than ``capacity_bytes``, and a restart drop a flushed key to fit an
   evicted one. What writing after the blanking costs.
 - ``raw_overwrite``: a raw sequential overwrite of one written file (same
@@ -66,7 +66,7 @@ def punching() -> Iterator[None]:
 
 @contextlib.contextmanager
 def overlapped() -> Iterator[None]:
-    """Blank a batch's evicted rows while its rows are written (before session 12)."""
+    """Blank a batch's evicted rows while its rows are written (the alternative ordering)."""
     reserve, settle = batches.reserve_rows, batches.settle_evictions
     before_writes: set[int] = set()  # tiers whose next settle is write_batch's first
 

@@ -1,37 +1,28 @@
-"""Every recorded ``kvtier bench`` run against the project's targets, one line per set of runs.
+"""Recorded ``kvtier bench`` runs of the default command: each figure's median and spread.
 
 Reads the JSON files that ``kvtier bench --json`` wrote under
-``benchmarks/results/`` (or the folders given), keeps the runs of the default
-configuration (``gemma-3-270m``, 1 GiB, 16 blocks per chunk, random block
-ids, 3 repeats, the NVMe phases on), groups them by folder and file name
-(``2026-11-30/session11-3.json`` is in ``2026-11-30/session11``) and prints a
-Markdown table: per set, the number of runs, then for each figure the range
-over its runs and, in brackets, how many of them meet the target.
+``benchmarks/results/`` (or the files and folders given), keeps the runs of
+the default configuration (``gemma-3-270m``, 1 GiB, 16 blocks per chunk,
+random block ids, 3 repeats, the NVMe phases on) on a CPU-only host, and
+prints one Markdown table: per phase, kvtier's throughput, each baseline's,
+and kvtier over the baseline, each as the median over the runs with the
+spread (lowest-highest) in brackets. Ratios are those of each run (kvtier's
+median repeat over the baseline's, measured in the same invocation); the
+medians of GB/s are over runs, so the median ratio is not the ratio of the
+median GB/s.
 
-The figures (ratios are kvtier over the baseline of the same run):
-
-- ``raw write``: the raw sequential O_DIRECT write in GB/s, the disk's ceiling
-  that day (the CPU -> NVMe target is relative to it);
-- ``CPU->NVMe``: ``nvme_write`` over ``raw_sequential`` (target >= 0.90);
-- ``e2e``: ``nvme_write_e2e`` (store with write-through until ``flush``) over
-  ``raw_sequential`` (target >= 0.90);
-- ``prefetch``: ``nvme_read`` (promotion NVMe -> CPU) over
-  ``raw_sequential`` (target >= 0.90). Runs made before the bench had its
-  ``cold_load`` variant (``2026-11-29/``) timed a cold load as ``nvme_read``:
-  their figure is shown under ``cold load`` instead;
-- ``cold load``: ``cold_load`` (promotion plus the CPU -> device copy) over
-  ``raw_sequential`` (no target of its own; shown for the record);
-- ``store`` / ``load``: over ``plain_copy`` (target >= 0.70);
-- ``lag p99``: event-loop lag during the NVMe phases in ms (target < 5).
-
-A last line gives ranges over all runs of the figures the README quotes
-beside the table: the lowest ratio to file-per-chunk (target >= 1.0x), the
-store's and the plain copy's GB/s, the ratios to plain torch indexing, the
-scheduling overhead, prefetch against a hashed raw read, and the full-tier
-leg against a raw rewrite and against kvtier's own write into new blocks.
+The rows, as ``kvtier bench`` names its phases and baselines (the
+benchmarks page of the docs says what each measures): ``store`` and ``load``
+against ``plain_copy`` and ``torch_gather``; ``nvme_write`` (CPU -> NVMe)
+against ``raw_sequential`` and ``file_per_chunk``; ``nvme_write_full`` (a
+full tier) against ``raw_rewrite``; ``nvme_write_e2e`` (store with
+write-through until ``flush``) against ``raw_sequential``; ``nvme_read``
+(prefetch, NVMe -> CPU) against ``raw_sequential`` and ``file_per_chunk``;
+``cold_load`` against ``raw_sequential``; then the scheduling overhead per
+chunk and the event-loop lag p99 during the NVMe phases.
 
     python benchmarks/summarize.py
-    python benchmarks/summarize.py benchmarks/results/2026-11-30
+    python benchmarks/summarize.py benchmarks/results/2026-12-01-cpu2-bench-1.json
 """
 
 from __future__ import annotations
@@ -57,57 +48,64 @@ DEFAULTS = {
 Figure = Callable[[dict[str, Any]], float | None]
 
 
-def _ratio(phase: str, key: str = "ratio_vs_raw_sequential") -> Figure:
-    def get(phases: dict[str, Any]) -> float | None:
-        value = phases.get(phase, {}).get(key)
+def _get(*path: str) -> Figure:
+    """A figure read from a run's JSON at ``path`` (None where a run lacks it)."""
+
+    def get(run: dict[str, Any]) -> float | None:
+        value: Any = run
+        for key in path:
+            if not isinstance(value, dict) or key not in value:
+                return None
+            value = value[key]
         return None if value is None else float(value)
 
     return get
 
 
-def _prefetch(phases: dict[str, Any]) -> float | None:
-    read = phases.get("nvme_read", {})
-    return float(read["ratio_vs_raw_sequential"]) if "cold_load" in read else None
+def _phase(phase: str, *path: str) -> Figure:
+    if phase == "cold_load":
+        return _get("phases", "nvme_read", "cold_load", *path)
+    return _get("phases", phase, *path)
 
 
-def _cold_load(phases: dict[str, Any]) -> float | None:
-    read = phases.get("nvme_read", {})
-    if "cold_load" not in read:  # the runs of 2026-11-29/: nvme_read WAS the cold load
-        return float(read["ratio_vs_raw_sequential"]) if read else None
-    return float(read["cold_load"]["ratio_vs_raw_sequential"])
+def _vs(phase: str, baseline: str, gbps_of: str | None = None) -> tuple[str, Figure, Figure]:
+    """A baseline of ``phase``: its name, its GB/s (in ``gbps_of``'s figures) and kvtier's ratio."""
+    return (
+        baseline,
+        _phase(gbps_of or phase, f"{baseline}_gbps"),
+        _phase(phase, f"ratio_vs_{baseline}"),
+    )
 
 
-# (column, figure, target test or None, digits)
-COLUMNS: list[tuple[str, Figure, Callable[[float], bool] | None, int]] = [
-    ("raw write GB/s", _ratio("nvme_write", "raw_sequential_gbps"), None, 1),
-    ("CPU->NVMe", _ratio("nvme_write"), lambda r: r >= 0.90, 2),
-    ("e2e", _ratio("nvme_write_e2e"), lambda r: r >= 0.90, 2),
-    ("prefetch", _prefetch, lambda r: r >= 0.90, 2),
-    ("cold load", _cold_load, None, 2),
-    ("store", _ratio("store", "ratio_vs_plain_copy"), lambda r: r >= 0.70, 2),
-    ("load", _ratio("load", "ratio_vs_plain_copy"), lambda r: r >= 0.70, 2),
+# (phase, [(baseline, baseline GB/s, ratio)]); kvtier's GB/s is the phase's "gbps"
+PHASES: list[tuple[str, list[tuple[str, Figure, Figure]]]] = [
+    ("store", [_vs("store", "plain_copy"), _vs("store", "torch_gather")]),
+    ("load", [_vs("load", "plain_copy"), _vs("load", "torch_gather")]),
+    ("nvme_write", [_vs("nvme_write", "raw_sequential"), _vs("nvme_write", "file_per_chunk")]),
+    ("nvme_write_full", [_vs("nvme_write_full", "raw_rewrite")]),
+    ("nvme_write_e2e", [_vs("nvme_write_e2e", "raw_sequential")]),
+    ("nvme_read", [_vs("nvme_read", "raw_sequential"), _vs("nvme_read", "file_per_chunk")]),
+    ("cold_load", [_vs("cold_load", "raw_sequential", gbps_of="nvme_read")]),
 ]
 
 
-def default_runs(paths: Iterable[Path]) -> dict[str, list[dict[str, Any]]]:
-    """The runs of the default configuration, by set (``folder/prefix``), in file order.
+def default_runs(paths: Iterable[Path]) -> list[dict[str, Any]]:
+    """The runs of the default configuration on a CPU-only host, oldest first.
 
     Args:
         paths: JSON files or folders (searched recursively for ``*.json``).
 
     Returns:
-        ``{set name: [run JSON, ...]}``; files that are not bench runs, ran
-        another configuration, ran on a GPU host (``machine.device`` not
-        ``cpu``: ``results/gpu-h200/``), or copy a run already read (same
-        ``date``: ``results/bench-*.json`` copy runs kept in the dated
-        folders) are skipped.
+        The runs' JSON. Files that are not bench runs, ran another
+        configuration, ran on a GPU host (``machine.device`` not ``cpu``), or
+        copy a run already read (same ``date``) are skipped.
     """
     files: list[Path] = []
     for path in paths:
         files.extend(sorted(path.rglob("*.json")) if path.is_dir() else [path])
-    sets: dict[str, list[dict[str, Any]]] = {}
+    runs: list[dict[str, Any]] = []
     seen: set[str] = set()
-    for file in sorted(files, key=lambda f: (f.parent == RESULTS, f)):
+    for file in files:
         try:
             run = json.loads(file.read_text())
         except (OSError, ValueError):
@@ -119,108 +117,71 @@ def default_runs(paths: Iterable[Path]) -> dict[str, list[dict[str, Any]]]:
         if any(config.get(k) != v for k, v in DEFAULTS.items()) or date in seen:
             continue
         if run.get("machine", {}).get("device", "cpu") != "cpu":
-            continue  # a GPU host's run: the targets are the development machine's
+            continue
         seen.add(date)
-        stem = file.stem.rstrip("0123456789").rstrip("-_") or file.stem
-        try:
-            name = f"{file.parent.relative_to(RESULTS)}/{stem}"
-        except ValueError:
-            name = f"{file.parent.name}/{stem}"
-        sets.setdefault(name.removeprefix("./"), []).append(run)
-    return sets
+        runs.append(run)
+    return sorted(runs, key=lambda r: str(r.get("date")))
 
 
-def _cell(values: list[float], met: Callable[[float], bool] | None, digits: int) -> str:
+def _values(runs: list[dict[str, Any]], figure: Figure) -> list[float]:
+    return [v for r in runs if (v := figure(r)) is not None]
+
+
+def cell(values: list[float], digits: int = 2, unit: str = "") -> str:
+    """``median (lowest-highest)`` of ``values`` with ``unit`` after each figure; ``-`` if none."""
     if not values:
         return "-"
+    med = f"{statistics.median(values):.{digits}f}{unit}"
     lo, hi = min(values), max(values)
-    text = f"{lo:.{digits}f}" if lo == hi else f"{lo:.{digits}f}-{hi:.{digits}f}"
-    if met is not None:
-        text += f" [{sum(map(met, values))}/{len(values)}]"
-    return text
+    if len(values) == 1 or lo == hi:
+        return med
+    return f"{med} ({lo:.{digits}f}-{hi:.{digits}f})"
 
 
-def table(sets: dict[str, list[dict[str, Any]]]) -> str:
-    """The Markdown table of :func:`default_runs`' sets, oldest set first, then all runs."""
-    head = ["runs", "n", *(c[0] for c in COLUMNS), "lag p99 ms"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    ordered = sorted(sets.items(), key=lambda item: min(r["date"] for r in item[1]))
-    everything = [run for _, runs in ordered for run in runs]
-    for name, runs in [*ordered, ("all", everything)]:
-        cells = [f"`{name}`" if name != "all" else "**all**", str(len(runs))]
-        for _, figure, met, digits in COLUMNS:
-            values = [v for r in runs if (v := figure(r["phases"])) is not None]
-            cells.append(_cell(values, met, digits))
-        lags = [float(r["loop_lag_p99_ms"]) for r in runs if r.get("loop_lag_p99_ms") is not None]
-        cells.append(_cell(lags, lambda v: v < 5, 1))
-        lines.append("| " + " | ".join(cells) + " |")
+def table(runs: list[dict[str, Any]]) -> str:
+    """The Markdown table of ``runs``' figures: median and spread of each."""
+    lines = [
+        "| phase | kvtier GB/s | baseline GB/s | kvtier / baseline |",
+        "|---|---|---|---|",
+    ]
+    for phase, baselines in PHASES:
+        first = True
+        for name, base_gbps, ratio in baselines:
+            ours = cell(_values(runs, _phase(phase, "gbps")), 1) if first else ""
+            base = cell(_values(runs, base_gbps), 1)
+            lines.append(
+                f"| {f'`{phase}`' if first else ''} | {ours} | `{name}` {base} "
+                f"| {cell(_values(runs, ratio), unit='x')} |"
+            )
+            first = False
+    for name in ("store", "load"):
+        us = cell(_values(runs, _get("scheduling_overhead_us_per_chunk", name)), 1)
+        lines.append(f"| scheduling overhead, {name} | {us} us/chunk | - | - |")
+    lag = cell(_values(runs, _get("loop_lag_p99_ms")), 1)
+    lines.append(f"| event-loop lag p99, NVMe phases | {lag} ms | - | - |")
     return "\n".join(lines)
 
 
-def medians(runs: list[dict[str, Any]]) -> dict[str, float]:
-    """Each figure of :data:`COLUMNS`: its median over ``runs`` (skipping runs that lack it)."""
-    out = {}
-    for name, figure, _, _ in COLUMNS:
-        values = [v for r in runs if (v := figure(r["phases"])) is not None]
-        if values:
-            out[name] = statistics.median(values)
-    return out
-
-
-def _span(values: list[float], digits: int = 2) -> str:
-    return f"{min(values):.{digits}f}-{max(values):.{digits}f}" if values else "-"
-
-
-def other_figures(runs: list[dict[str, Any]]) -> list[str]:
-    """Ranges over ``runs`` of the figures the README quotes beside the table, one per line."""
-
-    def values(phase: str, key: str, sub: str | None = None) -> list[float]:
-        out = []
-        for r in runs:
-            d = r["phases"].get(phase, {})
-            d = d.get(sub, {}) if sub else d
-            if key in d:
-                out.append(float(d[key]))
-        return out
-
-    overhead = [r.get("scheduling_overhead_us_per_chunk") or {} for r in runs]
-    fresh = [
-        float(r["phases"]["nvme_write_full"]["gbps"]) / float(r["phases"]["nvme_write"]["gbps"])
-        for r in runs
-        if "nvme_write_full" in r["phases"]
-    ]
-    fpc = values("nvme_write", "ratio_vs_file_per_chunk")
-    fpc += values("nvme_read", "ratio_vs_file_per_chunk")
-    return [
-        f"vs file_per_chunk (write and read): lowest {min(fpc):.2f} over {len(fpc)} figures",
-        f"store GB/s {_span(values('store', 'gbps'), 1)}, its plain_copy GB/s "
-        f"{_span(values('store', 'plain_copy_gbps'), 1)}",
-        f"vs torch_gather: store {_span(values('store', 'ratio_vs_torch_gather'))}, "
-        f"load {_span(values('load', 'ratio_vs_torch_gather'))}",
-        "scheduling overhead us/chunk: store "
-        f"{_span([float(o['store']) for o in overhead if 'store' in o], 1)}, load "
-        f"{_span([float(o['load']) for o in overhead if 'load' in o], 1)}",
-        f"prefetch vs raw_checksummed: {_span(values('nvme_read', 'ratio_vs_raw_checksummed'))}",
-        f"full tier vs raw_rewrite: {_span(values('nvme_write_full', 'ratio_vs_raw_rewrite'))}, "
-        f"vs kvtier's own nvme_write: {_span(fresh)}",
-    ]
+def caption(runs: list[dict[str, Any]]) -> str:
+    """One line: how many runs, of which dates, on how many CPUs."""
+    dates = sorted({str(r.get("date", ""))[:10] for r in runs})
+    cpus = sorted({str(r.get("machine", {}).get("cpus", "?")) for r in runs})
+    return (
+        f"{len(runs)} runs of `kvtier bench` (defaults) on {', '.join(dates)}, "
+        f"{'/'.join(cpus)} CPUs: median (lowest-highest)"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("paths", nargs="*", type=Path, default=[RESULTS])
     args = ap.parse_args()
-    sets = default_runs(args.paths)
-    if not sets:
+    runs = default_runs(args.paths)
+    if not runs:
         raise SystemExit("no runs of the default configuration found")
-    print(table(sets))
-    everything = [run for runs in sets.values() for run in runs]
-    med = medians(everything)
-    print("\nmedian over all runs: " + ", ".join(f"{k} {v:.2f}" for k, v in med.items()))
+    print(caption(runs))
     print()
-    print("over all runs:")
-    for line in other_figures(everything):
-        print(f"- {line}")
+    print(table(runs))
 
 
 if __name__ == "__main__":

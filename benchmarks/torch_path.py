@@ -8,8 +8,7 @@ laid out like their slots: one ``index_select`` (store) or ``index_copy_``
 (load) per piece for the batch, and one ``torch._foreach_copy_`` of one
 contiguous copy per chunk. The ``per_chunk`` variant copies each chunk as a
 batch of its own (``_torch_chunk``, what a load job that writes one page
-twice does). Until session 12 the torch path issued both calls per chunk
-and piece; until session 15 it copied each piece straight into its slots.
+twice does).
 
 Pages of 16 bytes make the copy itself cost nothing, so the figure is the
 time spent issuing it (validation, slot bookkeeping and the calls) per chunk,

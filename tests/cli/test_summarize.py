@@ -1,4 +1,4 @@
-"""benchmarks/summarize.py: the README's table of every recorded bench run against the targets."""
+"""benchmarks/summarize.py: the README's table of the recorded bench runs, medians and spreads."""
 
 from __future__ import annotations
 
@@ -35,10 +35,12 @@ def _run(date: str, write: float, prefetch: float, store: float, **config: Any) 
     }
     return {
         "date": date,
+        "machine": {"device": "cpu", "cpus": 2},
         "config": cfg,
         "loop_lag_p99_ms": 1.5,
+        "scheduling_overhead_us_per_chunk": {"store": 12.0, "load": 11.0},
         "phases": {
-            "store": {"ratio_vs_plain_copy": store},
+            "store": {"gbps": 14.0, "plain_copy_gbps": 20.0, "ratio_vs_plain_copy": store},
             "load": {"ratio_vs_plain_copy": 0.75},
             "nvme_write": {
                 "raw_sequential_gbps": 4.0,
@@ -60,45 +62,60 @@ def _write(path: Path, run: dict[str, Any]) -> None:
     path.write_text(json.dumps(run))
 
 
-def test_sets_ranges_and_target_counts(tmp_path: Path) -> None:
-    _write(tmp_path / "day1" / "s1-1.json", _run("2026-01-01T00:00:00", 0.85, 0.95, 0.72))
-    _write(tmp_path / "day1" / "s1-2.json", _run("2026-01-01T00:01:00", 0.93, 0.97, 0.66))
-    # Another configuration and a copy of a run already read: both left out.
-    _write(tmp_path / "day1" / "s1-3.json", _run("2026-01-01T00:02:00", 0.5, 0.5, 0.1, repeat=1))
-    _write(tmp_path / "day2" / "copy.json", _run("2026-01-01T00:01:00", 0.93, 0.97, 0.66))
-    gpu = _run("2026-01-01T00:03:00", 0.5, 0.5, 0.2)  # a GPU host's run: left out too
+def _cells(table: str, phase: str, baseline: str) -> list[str]:
+    """The cells of the table row of ``phase`` against ``baseline`` (a phase's later rows)."""
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()]
+    current = None
+    for cells in rows:
+        current = cells[0] or current
+        if current == f"`{phase}`" and cells[2].startswith(f"`{baseline}`"):
+            return cells
+    raise AssertionError(f"no row for {phase} vs {baseline} in\n{table}")
+
+
+def test_medians_and_spreads_of_the_default_runs_only(tmp_path: Path) -> None:
+    _write(tmp_path / "a-1.json", _run("2026-01-01T00:00:00", 0.85, 0.95, 0.72))
+    _write(tmp_path / "a-2.json", _run("2026-01-01T00:01:00", 0.93, 0.97, 0.66))
+    _write(tmp_path / "a-3.json", _run("2026-01-01T00:02:00", 0.80, 0.90, 0.70))
+    # Another configuration, a copy of a run already read, a GPU host's run: left out.
+    _write(tmp_path / "a-4.json", _run("2026-01-01T00:03:00", 0.5, 0.5, 0.1, repeat=1))
+    _write(tmp_path / "b" / "copy.json", _run("2026-01-01T00:01:00", 0.93, 0.97, 0.66))
+    gpu = _run("2026-01-01T00:04:00", 0.5, 0.5, 0.2)
     gpu["machine"] = {"device": "cuda", "cuda": "NVIDIA H200"}
-    _write(tmp_path / "day1" / "s1-4.json", gpu)
-    (tmp_path / "day2" / "notes.json").write_text("[1, 2]")
+    _write(tmp_path / "a-5.json", gpu)
+    (tmp_path / "b" / "notes.json").write_text("[1, 2]")
     mod = _module()
-    sets = mod.default_runs([tmp_path])
-    assert [len(runs) for runs in sets.values()] == [2]
-    table = mod.table(sets)
-    row = next(line for line in table.splitlines() if "day1/s1" in line)
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[1] == "2"
-    assert cells[3] == "0.85-0.93 [1/2]"  # CPU->NVMe, target 0.90
-    assert cells[5] == "0.95-0.97 [2/2]"  # prefetch
-    assert cells[6] == "0.80"  # cold load: no target
-    assert cells[7] == "0.66-0.72 [1/2]"  # store, target 0.70
-    assert "**all** | 2 |" in table
-    assert mod.medians(sets["day1/s1"])["CPU->NVMe"] == (0.85 + 0.93) / 2
+    runs = mod.default_runs([tmp_path])
+    assert [r["date"] for r in runs] == [
+        "2026-01-01T00:00:00",
+        "2026-01-01T00:01:00",
+        "2026-01-01T00:02:00",
+    ]
+    table = mod.table(runs)
+    assert _cells(table, "nvme_write", "raw_sequential")[3] == "0.85x (0.80-0.93)"
+    assert _cells(table, "nvme_read", "raw_sequential")[3] == "0.95x (0.90-0.97)"
+    assert _cells(table, "store", "plain_copy")[1:] == [
+        "14.0",
+        "`plain_copy` 20.0",
+        "0.70x (0.66-0.72)",
+    ]
+    assert _cells(table, "cold_load", "raw_sequential")[3] == "0.80x"
+    assert "| scheduling overhead, store | 12.0 us/chunk |" in table
+    assert mod.caption(runs).startswith("3 runs of `kvtier bench` (defaults) on 2026-01-01, 2 CPUs")
 
 
-def test_old_runs_report_their_cold_load(tmp_path: Path) -> None:
-    """Before the cold_load variant existed, nvme_read timed a cold load."""
+def test_a_figure_that_no_run_has_is_a_dash(tmp_path: Path) -> None:
     run = _run("2026-01-01T00:00:00", 0.9, 0.88, 0.7)
     del run["phases"]["nvme_read"]["cold_load"]
-    _write(tmp_path / "old" / "bench-1.json", run)
+    _write(tmp_path / "old.json", run)
     mod = _module()
-    row = mod.table(mod.default_runs([tmp_path])).splitlines()[2]
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[5] == "-"
-    assert cells[6] == "0.88"
+    table = mod.table(mod.default_runs([tmp_path]))
+    assert _cells(table, "cold_load", "raw_sequential")[1:] == ["-", "`raw_sequential` -", "-"]
+    assert _cells(table, "nvme_read", "raw_sequential")[3] == "0.88x"
 
 
-def test_recorded_results_as_in_the_readme() -> None:
-    """The script runs on the repository's results, and the README shows its table as printed."""
+def test_recorded_results_as_in_the_readme_and_the_benchmarks_page() -> None:
+    """It runs on the repository's results; the README and the docs show its table as printed."""
     out = subprocess.run(
         [sys.executable, str(SCRIPT)],
         check=True,
@@ -106,13 +123,9 @@ def test_recorded_results_as_in_the_readme() -> None:
         text=True,
     ).stdout
     table = [line for line in out.splitlines() if line.startswith("|")]
-    assert len(table) >= 4
-    assert "**all**" in table[-1]
-    readme = (REPO / "README.md").read_text()
-    others = [line for line in out.splitlines() if line.startswith(("- ", "median over"))]
-    assert len(others) == 7
-    for line in table + others:
-        assert line in readme, f"README differs from summarize.py's output: {line}"
-    lowest = float(out.split("vs file_per_chunk (write and read): lowest ", 1)[1].split()[0])
-    # The targets table claims >= 1.0x file-per-chunk; a run below it is named there.
-    assert lowest >= 1.0 or f"{lowest:.2f}x (" in readme, f"README does not name {lowest}"
+    assert len(table) >= 10
+    caption = out.splitlines()[0]
+    for page in (REPO / "README.md", REPO / "docs" / "benchmarks.md"):
+        text = page.read_text()
+        for line in [caption, *table]:
+            assert line in text, f"{page.name} differs from summarize.py's output: {line}"
