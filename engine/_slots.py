@@ -197,6 +197,19 @@ class SlotPool:
         del self._entries[key]
         self._free.append(entry.slot)
 
+    def drop(self, key: OffloadKey) -> None:
+        """``resident -> free``: forget an unpinned key (a cache reset, not an eviction).
+
+        Raises:
+            SlotStateError: the key is absent, writing or pinned.
+        """
+        entry = self._entries.get(key)
+        if entry is None or entry.writing or entry.refs:
+            raise SlotStateError(f"drop of {key} in state {entry and entry.state}")
+        del self._entries[key]
+        self.policy.remove(key, evicted=False)
+        self._free.append(entry.slot)
+
     def pin(self, key: OffloadKey) -> SlotEntry:
         """Add a reference (``resident -> pinned``); a pinned slot is never evicted."""
         entry = self._entries.get(key)
@@ -252,16 +265,25 @@ class HostRegion:
     by :meth:`prefault` (falls back to pageable memory with a warning;
     ``pinned`` tells which).
 
+    With ``fd``, the buffer is a shared mapping of that file (a ``memfd``
+    that another process maps too, see :mod:`kvtier.vllm`) instead of
+    private anonymous memory; everything else is the same.
+
     Args:
         nbytes: total bytes (a multiple of 4096, ``> 0``).
         pin: page-lock the buffer for the GPU in :meth:`prefault` (only when
             CUDA is available).
+        fd: a file descriptor of at least ``nbytes`` bytes to map shared
+            (``MAP_SHARED``); the caller keeps ownership of the descriptor.
 
     """
 
-    def __init__(self, nbytes: int, *, pin: bool) -> None:
+    def __init__(self, nbytes: int, *, pin: bool, fd: int | None = None) -> None:
         self.nbytes = nbytes
-        self._mmap = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if fd is None:
+            self._mmap = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        else:
+            self._mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             # Fewer TLB misses for the scattered block copies (THP "madvise" mode).
             with contextlib.suppress(OSError):

@@ -34,6 +34,7 @@ from kvtier.errors import (
 )
 
 if TYPE_CHECKING:
+    from kvtier._config import NVMeConfig
     from kvtier._engine import TransferEngine
     from kvtier.io import NVMeTier
 
@@ -58,18 +59,42 @@ class _Batch:
 
 async def open_tier(engine: TransferEngine) -> NVMeTier:
     """Open the NVMe tier described by ``engine.config.nvme`` for ``engine.layout``."""
-    from kvtier.io import NVMeTier
-
     cfg = engine.config.nvme
     assert cfg is not None
     bpc = engine.blocks_per_chunk
+    return await open_tier_for(
+        cfg,
+        engine.layout.describe(),
+        bpc,
+        {g: engine.layout.group_nbytes(g, bpc) for g in engine.layout.group_ids},
+    )
+
+
+async def open_tier_for(
+    cfg: NVMeConfig,
+    layout_description: dict[str, Any],
+    blocks_per_chunk: int,
+    group_nbytes: dict[int, int],
+) -> NVMeTier:
+    """Open the NVMe tier of ``cfg`` for a layout known by its description.
+
+    The vLLM backend's scheduler process has no KV cache tensors, only the
+    worker's ``KVLayout.describe()`` and group sizes; both it and
+    :class:`~kvtier.TransferEngine` open their tier here.
+
+    Raises:
+        NamespaceLockedError: another open engine holds the namespace (the
+            message names its pid).
+    """
+    from kvtier.io import NVMeTier
+
     tier = NVMeTier(
         root=cfg.root,
         namespace=cfg.namespace,
         capacity_bytes=cfg.capacity_bytes,
-        layout_description=engine.layout.describe(),
-        blocks_per_chunk=bpc,
-        group_nbytes={g: engine.layout.group_nbytes(g, bpc) for g in engine.layout.group_ids},
+        layout_description=layout_description,
+        blocks_per_chunk=blocks_per_chunk,
+        group_nbytes=group_nbytes,
         io_backend=cfg.io_backend,
         direct_io=cfg.direct_io,
         io_threads=cfg.io_threads,

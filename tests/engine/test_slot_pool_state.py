@@ -85,3 +85,41 @@ TestPool = PoolMachine.TestCase
 TestPool.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestARCPool = ARCPoolMachine.TestCase
 TestARCPool.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_drop_frees_a_resident_slot_without_counting_an_eviction() -> None:
+    import pytest
+
+    from kvtier._slots import SlotStateError
+
+    pool = SlotPool(2, LRUPolicy())
+    pool.reserve([(key(1, 0), 0, 1, 10), (key(2, 0), 0, 1, 10)], protect=())
+    pool.commit(key(1, 0))
+    pool.drop(key(1, 0))
+    assert pool.get(key(1, 0)) is None
+    assert pool.free_count == 1
+    assert pool.evictions == 0
+    assert list(pool.policy.candidates()) == []
+    with pytest.raises(SlotStateError):
+        pool.drop(key(2, 0))  # still writing
+    pool.commit(key(2, 0))
+    pool.pin(key(2, 0))
+    with pytest.raises(SlotStateError):
+        pool.drop(key(2, 0))  # pinned
+
+
+def test_host_region_maps_a_shared_descriptor() -> None:
+    import os
+
+    from kvtier._slots import HostRegion
+
+    fd = os.memfd_create("test")
+    try:
+        os.ftruncate(fd, 8192)
+        first, second = HostRegion(8192, pin=False, fd=fd), HostRegion(8192, pin=False, fd=fd)
+        first.tensor[4096] = 42
+        assert int(second.tensor[4096]) == 42
+        first.close()
+        second.close()
+    finally:
+        os.close(fd)
