@@ -16,13 +16,13 @@ not answered (tmpfs) ``lseek(SEEK_DATA)`` finds them and they are kept as
 "unsure" (``RowIndex._unsure``; after this review's finding, replaced by
 punching those free rows at open, ``_batches._punch_unsure``).
 
-This pass looks at what ``test_review_punch16.py`` did not: hangs between the
+This pass looks at what ``test_nvme_keyless_punch.py`` did not: hangs between the
 punch lock, segment locks, growth ahead, growth futures (``tier._growing``),
 reads, discards, flushes, ``drain`` and ``close`` with many groups on a full
 tmpfs and a full ext4 whose other tenant frees and takes space; an EIO of the
 growth inside a punch round; an EIO of the trailer write after a failed punch;
 the block accounting of "unsure" rows after a reopen; and SIGKILL of a child
-process (``python -m tests.reliability.test_review_punch16b crash ROOT LOG``)
+process (``python -m tests.reliability.test_nvme_punch_lock crash ROOT LOG``)
 while keyless groups punch with growth ahead on.
 
 Real seams only: small real tmpfs and ext4 loop mounts (root only; skipped
@@ -56,10 +56,9 @@ from kvtier import OffloadKey
 from kvtier.io import NVMeTier, RowIO
 
 from ..io.conftest import Slots
-from . import test_review_diskfull13 as df13
+from . import test_nvme_disk_full as df13
 from ._faultio import kill_child, rig_factory
-from .test_review_defer14 import _open
-from .test_review_diskfull13 import (
+from .test_nvme_disk_full import (
     BIG,
     MID,
     NB,
@@ -76,7 +75,15 @@ from .test_review_diskfull13 import (
     _snapshot,
     _states,
 )
-from .test_review_punch16 import FS, _fill_with_a, _kinds, _PunchRig, _reopened_copy, _row_blocks
+from .test_nvme_keyless_punch import (
+    FS,
+    _fill_with_a,
+    _kinds,
+    _PunchRig,
+    _reopened_copy,
+    _row_blocks,
+)
+from .test_nvme_late_reservation import _open
 
 tmpfs = df13.tmpfs  # a real tmpfs / ext4 loop mount of a given size (root only)
 ext4 = df13.ext4
@@ -511,7 +518,7 @@ def test_sigkill_while_keyless_groups_punch_with_growth_ahead(tmpfs, tmp_path) -
     for it in range(3):
         log_path, err_path = tmp_path / f"log{it}", tmp_path / f"err{it}"
         log_path.write_text("")
-        args = ["tests.reliability.test_review_punch16b", "crash", str(root), str(log_path)]
+        args = ["tests.reliability.test_nvme_punch_lock", "crash", str(root), str(log_path)]
         assert kill_child(args, err_path, 1.5), err_path.read_text()[-3000:]
         for line in log_path.read_text().splitlines():
             try:

@@ -12,7 +12,7 @@ fixes of its findings dropped that check, serialize rows that punch for room
 with allocations once the filesystem was full (``tier._punch_lock``), punch up
 to two rounds of keys per row, keep rows found by ``lseek`` as "unsure", and
 turn punching back on after any allocation succeeds; a second review,
-``test_review_punch16b.py``, replaced the "unsure" rows by punching them at
+``test_nvme_punch_lock.py``, replaced the "unsure" rows by punching them at
 open.) At open, rows the
 extents do not cover whole count as punched (``_files._rows_without_blocks``),
 by ``lseek(SEEK_DATA)`` where FIEMAP is not answered (``_files.data_extents``,
@@ -26,7 +26,7 @@ defer14 RowIO wrapper with wrapped segment handles whose ``fd`` fails or waits
 when ``_files._punch_hole`` asks for it (the only seam of a punch: it calls
 ``fallocate`` through libc, not through the RowIO), held row reads (pins), and
 a real child process killed with SIGKILL
-(``python -m tests.reliability.test_review_punch16 crash ROOT LOG``).
+(``python -m tests.reliability.test_nvme_keyless_punch crash ROOT LOG``).
 
 A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; a "Fixed in session
 16" comment heads a test that was one and failed before its fix.
@@ -52,10 +52,9 @@ from kvtier.io import NVMeTier, RowIO
 from kvtier.io import _files as files
 
 from ..io.conftest import Slots
-from . import test_review_diskfull13 as df13
+from . import test_nvme_disk_full as df13
 from ._faultio import kill_child, rig_factory
-from .test_review_defer14 import HEADER, _Handle, _open, _Rig14
-from .test_review_diskfull13 import (
+from .test_nvme_disk_full import (
     BIG,
     MID,
     NB,
@@ -72,6 +71,7 @@ from .test_review_diskfull13 import (
     _snapshot,
     _states,
 )
+from .test_nvme_late_reservation import HEADER, _Handle, _open, _Rig14
 
 tmpfs = df13.tmpfs  # a real tmpfs / ext4 loop mount of a given size (root only)
 ext4 = df13.ext4
@@ -641,7 +641,7 @@ def test_sigkill_while_keyless_groups_punch_keys_of_another(tmpfs, tmp_path) -> 
     for it in range(2):
         log_path, err_path = tmp_path / f"log{it}", tmp_path / f"err{it}"
         log_path.write_text("")
-        args = ["tests.reliability.test_review_punch16", "crash", str(root), str(log_path)]
+        args = ["tests.reliability.test_nvme_keyless_punch", "crash", str(root), str(log_path)]
         assert kill_child(args, err_path, 1.5), err_path.read_text()[-3000:]
         for line in log_path.read_text().splitlines():
             try:

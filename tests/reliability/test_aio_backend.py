@@ -570,7 +570,7 @@ _CHILD = textwrap.dedent(
     sys.path.insert(0, {repo!r})
     import kvtier
     from tests.engine import nvme_child
-    from tests.reliability.test_review_aio import _aio_config
+    from tests.reliability.test_aio_backend import _aio_config
 
     async def main():
         layout, _ = nvme_child.build(True)

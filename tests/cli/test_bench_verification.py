@@ -24,8 +24,8 @@ from click.testing import CliRunner, Result
 from kvtier._shapes import ModelShape
 from kvtier.cli import main
 
+from .test_bench_options import _bench_on_tmpfs, needs_mount
 from .test_cli import kvtier
-from .test_review_bench_cli import _bench_on_tmpfs, needs_mount
 
 COPY_ONLY = ("--size", "1M", "--repeat", "1", "--no-nvme")
 

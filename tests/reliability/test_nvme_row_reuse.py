@@ -14,7 +14,7 @@ failed (then only with its own bytes), and never after a clean close.
 
 Attacks, through ``NVMeTier``/``TransferEngine`` and faults injected only by
 ``row_io_wrapper`` or real subprocesses (``python -m
-tests.reliability.test_review_reuse10 CMD ROOT`` runs a child workload that
+tests.reliability.test_nvme_row_reuse CMD ROOT`` runs a child workload that
 ends with ``os._exit(0)``: a crash that keeps the page cache, like SIGKILL):
 
 * disk blocks: stale rows blanked within the budget, reopen after a
@@ -133,7 +133,7 @@ def _counting(holder: list[CountingRowIO]) -> Any:
 
 def _child(cmd: str, root: pathlib.Path) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.reliability.test_review_reuse10", cmd, str(root)],
+        [sys.executable, "-m", "tests.reliability.test_nvme_row_reuse", cmd, str(root)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -612,7 +612,7 @@ def test_sigkill_while_stores_overwrite_evicted_rows_never_gives_wrong_bytes(tmp
     total = 0
     for _ in range(6):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.reliability.test_review_reuse10", "forever", str(root)],
+            [sys.executable, "-m", "tests.reliability.test_nvme_row_reuse", "forever", str(root)],
             cwd=REPO,
             stdout=subprocess.PIPE,
             text=True,

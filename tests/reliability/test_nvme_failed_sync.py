@@ -34,7 +34,7 @@ from kvtier.io._format import TRAILER_NBYTES
 from ..io.conftest import GROUP_NBYTES, Slots, hashes, key, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
 from ._model import Gpu, chunks, engine_config, nvme_config, store_ok
-from .test_review_session8 import ROW0, ROW1, GateIO, Holder, _check, _rows, _until
+from .test_nvme_index_restart import ROW0, ROW1, GateIO, Holder, _check, _rows, _until
 
 
 class SyncGateIO(GateIO):

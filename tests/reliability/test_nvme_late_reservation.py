@@ -15,7 +15,7 @@ blanking writes and reads; here also held or slowed growth, an EIO from a
 punched row's allocation through the backend's file handle, and a check after
 every row write of what a restart would find on disk), small real tmpfs and
 ext4 mounts (root only; skipped elsewhere), and a real child process killed
-with SIGKILL (``python -m tests.reliability.test_review_defer14 crash ROOT LOG``).
+with SIGKILL (``python -m tests.reliability.test_nvme_late_reservation crash ROOT LOG``).
 
 A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; a "Fixed in session
 14" comment heads a test that was one and failed before its fix.
@@ -46,9 +46,9 @@ from kvtier.io import _files as files
 from kvtier.io._format import TRAILER_NBYTES, decode_trailer
 
 from ..io.conftest import Slots
-from . import test_review_diskfull13 as df13
+from . import test_nvme_disk_full as df13
 from ._faultio import check_found, kill_child, kill_log, rig_factory, until_set
-from .test_review_diskfull13 import (
+from .test_nvme_disk_full import (
     BIG,
     HEADER,
     MID,
@@ -829,7 +829,7 @@ def test_sigkill_during_late_reservations_and_disk_full_evictions(tmp_path) -> N
     for it in range(2):
         log_path, err_path = tmp_path / f"log{it}", tmp_path / f"err{it}"
         log_path.write_text("")
-        args = ["tests.reliability.test_review_defer14", "crash", str(root), str(log_path)]
+        args = ["tests.reliability.test_nvme_late_reservation", "crash", str(root), str(log_path)]
         alive = kill_child(args, err_path, rng.uniform(1.0, 1.5))
         assert alive, err_path.read_text()[-3000:]
         entries, last, allowed = kill_log(log_path, err_path, history)

@@ -45,7 +45,7 @@ from kvtier.io._inspect import folders_of, other_formats
 from ..engine.helpers import key, same
 from ..io.faults import DelegatingRowIO
 from ._faultio import KeyFault, Wrapper
-from .test_review_session7 import (
+from .test_background_engine_races import (
     _await_for,
     _blocked_durable_store,
     _cfg,

@@ -6,7 +6,8 @@ wrappers over the real backend, real threads, the real cyclic GC, real
 fixed and now a test whose docstring starts "Fixed bug"; every other test is a
 guarantee that held up.
 
-The child processes run this module: ``python -m tests.engine.test_review_dropped19 child MODE``.
+The child processes run this module:
+``python -m tests.engine.test_hold_garbage_collected child MODE``.
 """
 
 from __future__ import annotations
@@ -635,7 +636,14 @@ def _run_children(tmp_path: Path, modes: list[str]) -> dict[str, subprocess.Comp
     for mode in modes:
         root = tmp_path / mode
         root.mkdir()
-        cmd = [sys.executable, "-m", "tests.engine.test_review_dropped19", "child", mode, str(root)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.engine.test_hold_garbage_collected",
+            "child",
+            mode,
+            str(root),
+        ]
         procs[mode] = subprocess.Popen(
             cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )

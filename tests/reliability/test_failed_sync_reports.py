@@ -35,8 +35,8 @@ from kvtier.io._index import SEQ_JUMP
 from ..io.conftest import GROUP_NBYTES, Slots, hashes, key, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
 from ._model import Gpu, at_rest, chunks, engine_config, load_check, nvme_config, store_ok
-from .test_review_fixes8 import SyncGateIO, SyncHolder, _nvme, _rows_of, gated_engine
-from .test_review_session8 import ROW0, _check, _rows, _until
+from .test_nvme_failed_sync import SyncGateIO, SyncHolder, _nvme, _rows_of, gated_engine
+from .test_nvme_index_restart import ROW0, _check, _rows, _until
 
 
 class LateIO(SyncGateIO):

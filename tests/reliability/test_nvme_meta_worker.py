@@ -487,7 +487,7 @@ async def _child(root: str, segment_nbytes: int) -> None:
 async def test_sigkill_while_the_meta_worker_grows_a_segment(tmp_path, segment_rows) -> None:
     seg = 4096 + segment_rows * ROW
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.reliability.test_review_session4", str(tmp_path), str(seg)],
+        [sys.executable, "-m", "tests.reliability.test_nvme_meta_worker", str(tmp_path), str(seg)],
         cwd=REPO,
         stdout=subprocess.PIPE,
         text=True,

@@ -9,7 +9,7 @@ eviction window (``min(eviction_window, keys // 32)``) is open.
 
 Attacks, through ``NVMeTier`` only; faults only through ``row_io_wrapper``
 (a RowIO wrapper around the real backend) and a real subprocess killed with
-SIGKILL (``python -m tests.reliability.test_review_unequal12 crash ROOT LOG``
+SIGKILL (``python -m tests.reliability.test_nvme_unequal_rows crash ROOT LOG``
 runs the child). A "crash" in-process is a copy of the namespace folder taken
 while the tier is live: the files as the page cache holds them, which is what
 a SIGKILL leaves.
@@ -39,7 +39,7 @@ from kvtier.io import NVMeTier, RowIO
 from ..io.conftest import Slots, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
 from ._faultio import check_found, kill_child, kill_log, rig_factory, snapshot, until_set
-from .test_review_window11 import _states  # nothing in flight: every row in one state
+from .test_nvme_eviction_window import _states  # nothing in flight: every row in one state
 
 TRAILER = 4096
 HEADER = 4096
@@ -710,7 +710,7 @@ def test_sigkill_with_unequal_rows_never_gives_wrong_bytes_or_brings_back_old_ke
         log_path = tmp_path / f"log{it}"
         log_path.write_text("")
         err_path = tmp_path / f"err{it}"
-        args = ["tests.reliability.test_review_unequal12", "crash", str(root), str(log_path)]
+        args = ["tests.reliability.test_nvme_unequal_rows", "crash", str(root), str(log_path)]
         kill_child(args, err_path, rng.uniform(0.5, 1.5))
         entries, last, allowed = kill_log(log_path, err_path, history)
         for e in entries[last + 1 :]:

@@ -7,7 +7,7 @@ code before its fix (four, all fixed in session 18); every other test is a
 guarantee that held up.
 
 The child process of the SIGKILL test runs this module:
-``python -m tests.engine.test_review_hold18 child ROOT``.
+``python -m tests.engine.test_hold_pins child ROOT``.
 """
 
 from __future__ import annotations
@@ -721,7 +721,7 @@ def test_sigkill_while_rows_are_held_reopens_with_every_row_right(tmp_path: Path
 
     root = tmp_path / "root"
     err = tmp_path / "child.err"
-    alive = kill_child(["tests.engine.test_review_hold18", "child", str(root)], err, delay=0.6)
+    alive = kill_child(["tests.engine.test_hold_pins", "child", str(root)], err, delay=0.6)
     assert alive, err.read_text()[-3000:]
     layout2, t, slot = one_group(seed=99)  # the child's bytes (it loads into block 60 only)
     config = _child_config(str(root), slot)

@@ -11,7 +11,7 @@ where a tmpfs cannot be mounted), a filler file that fills such a filesystem
 the way another tenant would, ``row_io_wrapper`` RowIO wrappers around the
 real backend (EIO, short writes, ENOSPC/EDQUOT on ``allocate``, held I/O) and
 real subprocesses killed with SIGKILL
-(``python -m tests.reliability.test_review_diskfull13 crash ROOT LOG MODE``
+(``python -m tests.reliability.test_nvme_disk_full crash ROOT LOG MODE``
 runs the child). A "crash" in-process is a copy of the namespace folder taken
 while the tier is live: the files as the page cache holds them, which is what
 a SIGKILL leaves (and on tmpfs, all there is).
@@ -49,7 +49,7 @@ from ..io.faults import DelegatingRowIO
 from ._faultio import check_found, kill_child, kill_log, rig_factory, snapshot, until_set
 from ._model import Gpu, chunks_for, engine_config, load_check, nvme_config, store_ok
 from ._model import key as model_key
-from .test_review_window11 import _states as window11_states
+from .test_nvme_eviction_window import _states as window11_states
 
 TRAILER = 4096
 HEADER = 4096
@@ -986,7 +986,7 @@ def test_sigkill_while_writing_into_a_full_filesystem(tmpfs, tmp_path, mode) -> 
         log_path = tmp_path / f"log{it}"
         log_path.write_text("")
         err_path = tmp_path / f"err{it}"
-        args = ["tests.reliability.test_review_diskfull13", "crash", str(root), str(log_path), mode]
+        args = ["tests.reliability.test_nvme_disk_full", "crash", str(root), str(log_path), mode]
         alive = kill_child(args, err_path, rng.uniform(1.0, 2.0))
         assert alive, err_path.read_text()[-3000:]
         entries, last, allowed = kill_log(log_path, err_path, history)

@@ -9,7 +9,7 @@ leg checks only the new keys still on NVMe and reloads the others from the
 fresh-tier leg's tier (7375a1c).
 
 Faults only through ``row_io_wrapper`` (RowIO wrappers) and real subprocesses
-(``python -m tests.reliability.test_review_window11 crash ROOT LOG KNOWN`` runs
+(``python -m tests.reliability.test_nvme_eviction_window crash ROOT LOG KNOWN`` runs
 a child that writes forever until the test SIGKILLs it). The existing suites
 fill tiers of fewer than 64 keys almost everywhere, where the window collapses
 to strict LRU: the tests here use 64 keys and more.
@@ -39,13 +39,13 @@ from kvtier.errors import ConfigError, StorageError
 from kvtier.io import NVMeTier, RowIO
 from kvtier.io._index import RowIndex, RowRef
 
-from ..cli.test_review_fixes9_cli import bench_fails
+from ..cli.test_bench_verification import bench_fails
 from ..io.conftest import GROUP_NBYTES, Slots, key, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
 from ._faultio import kill_child, rig_factory, until_set
 from ._model import Gpu, chunks_for, engine_config, load_check, nvme_config, store_ok
 from ._model import key as model_key
-from .test_review_reuse10 import _read, _snapshot
+from .test_nvme_row_reuse import _read, _snapshot
 
 TRAILER = 4096
 ROW = {g: -(-n // 4096) * 4096 + TRAILER for g, n in GROUP_NBYTES.items()}  # 20480, 8192, 16384
@@ -849,7 +849,7 @@ def test_sigkill_while_writes_overwrite_own_group_rows_in_place(tmp_path) -> Non
         known_path = tmp_path / f"known{it}.json"
         known_path.write_text(json.dumps(known))
         err_path = tmp_path / f"err{it}"
-        args = ["tests.reliability.test_review_window11", "crash", str(root), str(log_path)]
+        args = ["tests.reliability.test_nvme_eviction_window", "crash", str(root), str(log_path)]
         kill_child([*args, str(known_path)], err_path, rng.uniform(0.01, 0.25))
         log = []
         for text in log_path.read_text().splitlines():

@@ -33,9 +33,9 @@ from kvtier.io._rowio import probe_direct_io
 
 from ..io.conftest import GROUP_NBYTES, Slots, hashes, key, payload, tier_kwargs
 from ._model import Gpu, chunks, engine_config, load_check, nvme_config, store_ok
-from .test_review_fixes8 import SyncGateIO, SyncHolder, _nvme, gated_engine
-from .test_review_fixes8b import LateHolder, LateIO, _failed_durable_store, _nvme_stat, _wait
-from .test_review_session8 import ROW0, _check, _rows, _until
+from .test_failed_sync_reports import LateHolder, LateIO, _failed_durable_store, _nvme_stat, _wait
+from .test_nvme_failed_sync import SyncGateIO, SyncHolder, _nvme, gated_engine
+from .test_nvme_index_restart import ROW0, _check, _rows, _until
 
 
 async def _tier(root: pathlib.Path, **over: Any) -> NVMeTier:

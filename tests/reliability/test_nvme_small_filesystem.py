@@ -9,10 +9,10 @@ group. It fixed one group's first step taking a whole small filesystem, so
 that another group, with no row and no key to take, failed every write.
 
 Real seams only: small real tmpfs mounts (root; the ``tmpfs`` fixture of
-``test_review_diskfull13``), a filler that fills and frees such a filesystem
+``test_nvme_disk_full``), a filler that fills and frees such a filesystem
 from another thread the way another tenant would, the real engine, and a real
 child process killed with SIGKILL
-(``python -m tests.reliability.test_review_smallfs14 crash ROOT LOG``).
+(``python -m tests.reliability.test_nvme_small_filesystem crash ROOT LOG``).
 
 A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; a "Fixed in session
 14" comment heads a test that was one and failed before its fix.
@@ -35,12 +35,11 @@ from kvtier import OffloadKey
 from kvtier.io import NVMeTier
 
 from ..io.conftest import Slots
-from . import test_review_diskfull13 as df13
+from . import test_nvme_disk_full as df13
 from ._faultio import kill_child
 from ._model import Gpu, chunks_for, engine_config, load_check, nvme_config, store_ok
 from ._model import key as model_key
-from .test_review_defer14 import _open, _Rig14, _rig14
-from .test_review_diskfull13 import (
+from .test_nvme_disk_full import (
     BIG,
     NB,
     SLOT,
@@ -57,6 +56,7 @@ from .test_review_diskfull13 import (
     _snapshot,
     _states,
 )
+from .test_nvme_late_reservation import _open, _Rig14, _rig14
 
 tmpfs = df13.tmpfs  # a real tmpfs of a given size (root only)
 
@@ -405,7 +405,7 @@ def test_sigkill_while_three_groups_write_on_a_tiny_tmpfs(tmpfs, tmp_path) -> No
     for it in range(2):
         log_path, err_path = tmp_path / f"log{it}", tmp_path / f"err{it}"
         log_path.write_text("")
-        args = ["tests.reliability.test_review_smallfs14", "crash", str(root), str(log_path)]
+        args = ["tests.reliability.test_nvme_small_filesystem", "crash", str(root), str(log_path)]
         assert kill_child(args, err_path, 1.2), err_path.read_text()[-3000:]
         for line in log_path.read_text().splitlines():
             try:

@@ -31,7 +31,7 @@ from kvtier import metrics as kvmetrics
 from kvtier._policy import ARCPolicy
 from kvtier.metrics import register_prometheus, unregister_prometheus
 from tests.engine.helpers import key
-from tests.engine.test_review_policy_stats import _check_invariants, _config, _k, _layout
+from tests.engine.test_policy_stats import _check_invariants, _config, _k, _layout
 from tests.reliability._faultio import KeyFault, Wrapper
 
 

@@ -4,7 +4,7 @@ The torch path (CUDA hosts' code) is forced on CPU tensors by replacing
 ``kvtier._engine.host_pieces``. With ``copy_threads=1`` a job is ONE
 ``run_plan`` call, as on a CUDA stream, so every batch spans the whole job.
 
-* The tricky layouts of tests/reliability/test_review_session6.py (multi-piece
+* The tricky layouts of tests/reliability/test_kvikio_and_lookup.py (multi-piece
   pages, odd payload prefixes shifting later layers to byte-aligned slot
   offsets, aliases in and across groups, strided slices, K/V-first pieces),
   each with several chunks per (group, sub-block range) in ONE store job and
@@ -40,7 +40,7 @@ import kvtier
 import kvtier._transfer as transfer
 from kvtier.errors import TransferError
 from tests.engine.helpers import fill_random, key, same
-from tests.reliability.test_review_session6 import CASES, NB, _Case, _case, _check_loaded
+from tests.reliability.test_kvikio_and_lookup import CASES, NB, _Case, _case, _check_loaded
 
 # ---------------------------------------------------------------------- helpers
 
