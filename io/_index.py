@@ -50,8 +50,8 @@ from collections import OrderedDict
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 
-from kvtier._types import OffloadKey
 from kvtier.io._format import HEADER_NBYTES
+from kvtier.keys import OffloadKey
 
 __all__ = ["DEFERRED", "Growth", "RowEntry", "RowIndex", "RowRef"]
 
