@@ -12,12 +12,12 @@ from kvtier._types import (
     EngineStats,
     LoadResult,
     Medium,
-    OffloadKey,
     PrefetchResult,
     Residency,
     StoreResult,
 )
 from kvtier.errors import EngineClosedError, KVTierError
+from kvtier.keys import OffloadKey
 from kvtier.layout import KVLayout
 
 __all__ = [

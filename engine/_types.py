@@ -6,9 +6,14 @@ import enum
 import operator
 from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtier.errors import BlockIdError, ChunkRangeError, InvalidArgumentError
+from kvtier.keys import OffloadKey
+
+# OffloadKey is defined in kvtier.keys; the name stays importable from here, so
+# that keys pickled by versions that defined it here (kvtier._types) still load.
+__all__ = ["OffloadKey"]
 
 
 class Medium(enum.Enum):
@@ -31,78 +36,6 @@ class Residency(enum.Enum):
     PENDING = "pending"
     CPU = "cpu"
     NVME = "nvme"
-
-
-@dataclass(frozen=True, repr=False)
-class OffloadKey:
-    """Names one chunk of ONE KV cache group.
-
-    Attributes:
-        block_hash: the chunk's content hash (bytes, 1..64 long; an instance of
-            a bytes subclass is copied to plain bytes), e.g. the hash of the
-            last block of the chunk chained from token ids.
-        group_id: the KV cache group (``>= 0``).
-
-    Raises:
-        InvalidArgumentError: ``block_hash`` is not 1..64 bytes or
-            ``group_id`` is not a non-negative int.
-
-    """
-
-    # ``_hash`` is a slot, not a field (asdict/astuple/replace ignore it):
-    # computed once, as keys are hashed several times per chunk on the loop.
-    __slots__ = ("_hash", "block_hash", "group_id")
-    if TYPE_CHECKING:  # for mypy only: at run time _hash is not a dataclass field
-        _hash: int = field(init=False, repr=False, compare=False)
-
-    block_hash: bytes
-    group_id: int
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.block_hash, bytes):
-            raise InvalidArgumentError(
-                f"OffloadKey.block_hash must be bytes (e.g. a hash digest), got "
-                f"{type(self.block_hash).__name__} {self.block_hash!r:.80}"
-            )
-        if type(self.block_hash) is not bytes:  # a subclass: its own bytes, not its methods
-            object.__setattr__(self, "block_hash", bytes(self.block_hash))
-        if not 1 <= len(self.block_hash) <= 64:
-            raise InvalidArgumentError(
-                f"OffloadKey.block_hash must be 1..64 bytes long, got {len(self.block_hash)}"
-            )
-        if isinstance(self.group_id, bool) or not isinstance(self.group_id, int):
-            raise InvalidArgumentError(f"OffloadKey.group_id must be int, got {self.group_id!r}")
-        if not 0 <= self.group_id < 1 << 32:
-            raise InvalidArgumentError(
-                f"OffloadKey.group_id must be in [0, 2**32), got {self.group_id}"
-            )
-        object.__setattr__(self, "_hash", hash((self.block_hash, self.group_id)))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        # Any OffloadKey naming the same (block_hash, group_id) is the same key,
-        # an instance of a subclass too (the generated __eq__ wants one class).
-        if isinstance(other, OffloadKey):
-            return self.group_id == other.group_id and self.block_hash == other.block_hash
-        return NotImplemented
-
-    def __repr__(self) -> str:
-        # Hex, not a bytes literal: readable in logs and error messages, and eval()-able.
-        hex_ = self.block_hash.hex()
-        return f"OffloadKey(block_hash=bytes.fromhex({hex_!r}), group_id={self.group_id})"
-
-    def __reduce__(self) -> tuple[type[OffloadKey], tuple[bytes, int]]:
-        # Rebuilt (and re-hashed) on unpickling: str/bytes hashes differ per process.
-        return OffloadKey, (self.block_hash, self.group_id)
-
-    def __setstate__(self, state: Sequence[Any]) -> None:
-        # Pickles made by versions whose state was ``[block_hash, group_id]``.
-        block_hash, group_id = state
-        object.__setattr__(self, "block_hash", block_hash)
-        object.__setattr__(self, "group_id", group_id)
-        self.__post_init__()
 
 
 def _block_id(value: Any) -> int:

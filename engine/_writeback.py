@@ -35,7 +35,7 @@ from kvtier.errors import (
 
 if TYPE_CHECKING:
     from kvtier._config import NVMeConfig
-    from kvtier._engine import TransferEngine
+    from kvtier._writer_host import WriterHost
     from kvtier.io import NVMeTier
 
 _MAX_BATCHES_IN_FLIGHT = 2
@@ -57,7 +57,7 @@ class _Batch:
     """``(key, start, stop, seq)`` in enqueue order."""
 
 
-async def open_tier(engine: TransferEngine) -> NVMeTier:
+async def open_tier(engine: WriterHost) -> NVMeTier:
     """Open the NVMe tier described by ``engine.config.nvme`` for ``engine.layout``."""
     cfg = engine.config.nvme
     assert cfg is not None
@@ -131,7 +131,7 @@ def _lock_holder(path: pathlib.Path) -> str:
 class NVMeWriter:
     """Background write-through and promotion for one engine."""
 
-    def __init__(self, engine: TransferEngine, tier: NVMeTier) -> None:
+    def __init__(self, engine: WriterHost, tier: NVMeTier) -> None:
         self._engine = engine
         self._tier = tier
         self._open: _Batch | None = None  # the batch new keys join

@@ -19,18 +19,18 @@ import time
 from collections.abc import AsyncIterator, Callable, Container
 from typing import TYPE_CHECKING, Any
 
-from kvtier._types import OffloadKey
 from kvtier.errors import InvalidArgumentError, StorageError, storage_error_kind
 from kvtier.io import _files
 from kvtier.io._align import buffer_address, check_direct
 from kvtier.io._files import NO_ROW, ReadJob, WriteJob
 from kvtier.io._format import SegmentHeader, encode_header
 from kvtier.io._index import DEFERRED, Growth, RowRef
+from kvtier.keys import OffloadKey
 
 log = logging.getLogger("kvtier.io")
 
 if TYPE_CHECKING:
-    from kvtier.io._tier import NVMeTier
+    from kvtier.io._tier_state import TierState
 
 FAILURE_KINDS = (
     "eio", "enospc", "einval", "short_read", "short_write",
@@ -49,12 +49,12 @@ def as_storage_error(exc: BaseException, what: str) -> StorageError:
     return err
 
 
-def fail(tier: NVMeTier, kind: str) -> None:
+def fail(tier: TierState, kind: str) -> None:
     """Count one failure of ``kind`` (unknown kinds count as ``other``)."""
     tier._counts[f"failures_{kind if kind in FAILURE_KINDS else 'other'}"] += 1
 
 
-def slot_view(tier: NVMeTier, key: Any, buf: Any) -> memoryview:
+def slot_view(tier: TierState, key: Any, buf: Any) -> memoryview:
     """Check one ``(key, slot_buf)`` argument; return ``slot_buf[:row_nbytes]`` as bytes.
 
     Raises:
@@ -76,7 +76,7 @@ def slot_view(tier: NVMeTier, key: Any, buf: Any) -> memoryview:
     return view[:row]
 
 
-def make_runs(tier: NVMeTier, jobs: list[Any], ref: Callable[[Any], RowRef]) -> list[list[Any]]:
+def make_runs(tier: TierState, jobs: list[Any], ref: Callable[[Any], RowRef]) -> list[list[Any]]:
     """Sort jobs by row and cut them into runs of consecutive rows of one segment.
 
     A run holds at most ``request_nbytes // row_nbytes`` rows (at least one,
@@ -97,7 +97,7 @@ def make_runs(tier: NVMeTier, jobs: list[Any], ref: Callable[[Any], RowRef]) -> 
     return out
 
 
-async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseException | None]:
+async def write_batch(tier: TierState, jobs: list[WriteJob]) -> list[BaseException | None]:
     """Allocate rows, write them in coalesced runs, publish or free each row.
 
     Stale rows left by earlier calls are blanked first (so this batch can
@@ -186,7 +186,7 @@ async def write_batch(tier: NVMeTier, jobs: list[WriteJob]) -> list[BaseExceptio
     return results
 
 
-async def settle_evictions(tier: NVMeTier) -> None:
+async def settle_evictions(tier: TierState) -> None:
     """Return once every row evicted so far is blank (or was reused in place).
 
     Blanks the index's stale rows, then waits for every reclaim whose I/O is in
@@ -200,7 +200,7 @@ async def settle_evictions(tier: NVMeTier) -> None:
 
 
 def reserve_rows(
-    tier: NVMeTier,
+    tier: TierState,
     jobs: list[WriteJob],
     protect: Container[OffloadKey],
     results: list[BaseException | None],
@@ -251,7 +251,7 @@ def reserve_rows(
     return list(groups.values())
 
 
-def _no_room(tier: NVMeTier, group_id: int) -> StorageError:
+def _no_room(tier: TierState, group_id: int) -> StorageError:
     index = tier._index
     return StorageError(
         "capacity",
@@ -262,7 +262,7 @@ def _no_room(tier: NVMeTier, group_id: int) -> StorageError:
 
 
 async def _write_group(
-    tier: NVMeTier,
+    tier: TierState,
     jobs: list[WriteJob],
     protect: Container[OffloadKey],
     results: list[BaseException | None],
@@ -301,7 +301,7 @@ async def _write_group(
     return [(run, *outcome) for run, outcome in zip(runs, outcomes, strict=True)]
 
 
-async def _write_run(tier: NVMeTier, run: list[WriteJob]) -> tuple[int, BaseException | None, int]:
+async def _write_run(tier: TierState, run: list[WriteJob]) -> tuple[int, BaseException | None, int]:
     """Seal a run on the checksum workers, then write it (I/O workers, or the AIO context).
 
     Returns:
@@ -349,7 +349,7 @@ could not store anything)."""
 
 
 @contextlib.asynccontextmanager
-async def _claim_growth(tier: NVMeTier, group_id: int) -> AsyncIterator[int | None]:
+async def _claim_growth(tier: TierState, group_id: int) -> AsyncIterator[int | None]:
     """Size a growth of a group against the filesystem's free space, and claim that space.
 
     A whole step while the free space (``shutil.disk_usage``), less what
@@ -378,7 +378,7 @@ async def _claim_growth(tier: NVMeTier, group_id: int) -> AsyncIterator[int | No
         tier._growth_claims -= claim
 
 
-def grow_ahead(tier: NVMeTier, group_id: int) -> None:
+def grow_ahead(tier: TierState, group_id: int) -> None:
     """Start growing a group's segments in the background if it runs low on free rows.
 
     Writes then rarely wait for a ``fallocate`` or a new segment file. A failed
@@ -393,7 +393,7 @@ def grow_ahead(tier: NVMeTier, group_id: int) -> None:
         tier._spawn(_grow_ahead(tier, group_id, lock))
 
 
-async def _grow_ahead(tier: NVMeTier, group_id: int, lock: asyncio.Lock) -> None:
+async def _grow_ahead(tier: TierState, group_id: int, lock: asyncio.Lock) -> None:
     async with lock:
         if not tier._index.wants_growth(group_id):
             return
@@ -419,7 +419,7 @@ async def _grow_ahead(tier: NVMeTier, group_id: int, lock: asyncio.Lock) -> None
 
 
 async def _grow_step(
-    tier: NVMeTier, group_id: int, max_rows: int | None = None
+    tier: TierState, group_id: int, max_rows: int | None = None
 ) -> tuple[Exception | None, int]:
     """Grow a group by one planned step (caller holds its segment lock).
 
@@ -447,7 +447,7 @@ async def _grow_step(
 
 
 async def _take_row(
-    tier: NVMeTier, job: WriteJob, protect: Container[OffloadKey]
+    tier: TierState, job: WriteJob, protect: Container[OffloadKey]
 ) -> RowRef | StorageError:
     """Take a free row for a job, growing the group's segments when it has none.
 
@@ -519,7 +519,7 @@ async def _take_row(
             return as_storage_error(exc, f"cannot grow the segments of group {group_id}")
 
 
-async def _allocate(tier: NVMeTier, job: WriteJob) -> RowRef | Exception | None:
+async def _allocate(tier: TierState, job: WriteJob) -> RowRef | Exception | None:
     """Allocate disk blocks for a row of ``job``'s group (the caller holds its segment lock).
 
     A punched free row gets its blocks (:func:`_fill_hole`); else the group
@@ -566,7 +566,7 @@ before the lock was taken (growth ahead, say) may take what the first round free
 
 
 async def _on_full_disk(
-    tier: NVMeTier,
+    tier: TierState,
     job: WriteJob,
     protect: Container[OffloadKey],
     tried: set[str],
@@ -621,7 +621,7 @@ async def _on_full_disk(
 
 
 async def _punch_for_row(
-    tier: NVMeTier, group_id: int, protect: Container[OffloadKey], errors: list[Exception]
+    tier: TierState, group_id: int, protect: Container[OffloadKey], errors: list[Exception]
 ) -> bool:
     """Punch rows of other groups until one row of ``group_id`` fits, and grow it by that row.
 
@@ -673,7 +673,7 @@ async def _punch_for_row(
     return False
 
 
-def _punch_missed(tier: NVMeTier) -> None:
+def _punch_missed(tier: TierState) -> None:
     """Count a row whose growth failed after its key punch; stop after ``_PUNCH_MISSES``."""
     tier._punch_misses += 1
     if tier._punch_misses >= _PUNCH_MISSES and tier._punch_frees:
@@ -686,7 +686,7 @@ def _punch_missed(tier: NVMeTier) -> None:
         )
 
 
-async def _grow_row(tier: NVMeTier, group_id: int, errors: list[Exception]) -> bool | None:
+async def _grow_row(tier: TierState, group_id: int, errors: list[Exception]) -> bool | None:
     """Grow a group by one row after a punch (the caller holds its segment lock).
 
     Returns:
@@ -705,7 +705,7 @@ async def _grow_row(tier: NVMeTier, group_id: int, errors: list[Exception]) -> b
     return None if tier._can_punch else False
 
 
-async def _fill_hole(tier: NVMeTier, ref: RowRef) -> Exception | None:
+async def _fill_hole(tier: TierState, ref: RowRef) -> Exception | None:
     """Allocate a punched free row's blocks; on failure give it back, punched.
 
     Returns:
@@ -725,7 +725,7 @@ async def _fill_hole(tier: NVMeTier, ref: RowRef) -> Exception | None:
     return None
 
 
-async def grow(tier: NVMeTier, plan: Growth) -> None:
+async def grow(tier: TierState, plan: Growth) -> None:
     """Create or extend the segment file of a :class:`Growth` plan.
 
     Raises:
@@ -762,7 +762,7 @@ async def grow(tier: NVMeTier, plan: Growth) -> None:
     )
 
 
-async def reclaim(tier: NVMeTier) -> None:
+async def reclaim(tier: TierState) -> None:
     """Blank the index's stale rows, then free them.
 
     Within the disk budget a row's 4 KiB trailer is zeroed and the row keeps
@@ -790,7 +790,7 @@ async def reclaim(tier: NVMeTier) -> None:
         await _blank(tier, refs, punch)
 
 
-async def _blank(tier: NVMeTier, refs: list[RowRef], punch: bool) -> None:
+async def _blank(tier: TierState, refs: list[RowRef], punch: bool) -> None:
     """Blank rows the index handed out (stale, or taken to punch) and give them back to it.
 
     See :func:`reclaim`; with ``punch``, the rows' blocks are deallocated
@@ -834,7 +834,7 @@ async def _blank(tier: NVMeTier, refs: list[RowRef], punch: bool) -> None:
 
 
 async def read_batch(
-    tier: NVMeTier, jobs: list[ReadJob], results: list[tuple[int, int] | BaseException]
+    tier: TierState, jobs: list[ReadJob], results: list[tuple[int, int] | BaseException]
 ) -> None:
     """Read pinned rows in coalesced runs, verify and unpin them; fill ``results``.
 
@@ -865,7 +865,7 @@ async def read_batch(
         tier._index.touch(job.key)
 
 
-async def _read_run(tier: NVMeTier, run: list[ReadJob]) -> list[StorageError | None]:
+async def _read_run(tier: TierState, run: list[ReadJob]) -> list[StorageError | None]:
     """Read a run (I/O workers, or the AIO context), then verify it on the checksum workers."""
     ref = run[0].entry.ref
     spec = tier._specs[ref.group_id]
@@ -882,7 +882,7 @@ async def _read_run(tier: NVMeTier, run: list[ReadJob]) -> list[StorageError | N
     return await tier._run_checksum(_files.verify_run, spec, run, nbytes)
 
 
-async def scan(tier: NVMeTier) -> None:
+async def scan(tier: TierState) -> None:
     """Open every segment of the tier's groups and rebuild the index from the trailers.
 
     Unusable segments (bad header) are skipped, logged and counted; their
@@ -929,7 +929,7 @@ async def scan(tier: NVMeTier) -> None:
     await _punch_unsure(tier, unsure)
 
 
-async def _punch_unsure(tier: NVMeTier, unsure: dict[tuple[int, int], list[int]]) -> None:
+async def _punch_unsure(tier: TierState, unsure: dict[tuple[int, int], list[int]]) -> None:
     """Punch the free rows an open found without data by ``lseek`` (no ``FIEMAP``: tmpfs).
 
     ``lseek(SEEK_DATA)`` reports ranges allocated but never written as holes

@@ -23,7 +23,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier._types import OffloadKey
 from kvtier.errors import ConfigError, NamespaceLockedError, StorageError, storage_error_kind
 from kvtier.io._format import (
     HEADER_NBYTES,
@@ -37,6 +36,7 @@ from kvtier.io._format import (
 )
 from kvtier.io._index import RowEntry, RowRef
 from kvtier.io._rowio import RowIO
+from kvtier.keys import OffloadKey
 
 SEGMENT_SUFFIX = ".kvrows"
 NO_ROW = RowRef(-1, -1, -1)

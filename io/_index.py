@@ -1,5 +1,10 @@
 """The NVMe tier's pure, synchronous state: segment growth, row allocator, key index, LRU.
 
+:class:`RowIndex` composes three parts: the segment table
+(:mod:`kvtier.io._segments`), the row allocator (:mod:`kvtier.io._rows`) and
+the key index (:mod:`kvtier.io._key_index`). It decides evictions, which
+need the keys and the rows, and keeps the parts' counts consistent.
+
 No I/O and no awaits happen here (httpcore style): :class:`~kvtier.io.NVMeTier`
 mutates a :class:`RowIndex` synchronously on the event loop thread and performs
 file I/O outside it.
@@ -45,13 +50,13 @@ Punched rows are counted apart (``held_nbytes`` = allocated minus punched).
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Mapping
-from dataclasses import dataclass
 
-from kvtier._types import OffloadKey
-from kvtier.io._format import HEADER_NBYTES
+from kvtier.io._key_index import KeyIndex, RowEntry
+from kvtier.io._rows import RowAllocator, RowRef
+from kvtier.io._segments import Growth, SegmentTable
+from kvtier.keys import OffloadKey
 
 __all__ = ["DEFERRED", "Growth", "RowEntry", "RowIndex", "RowRef"]
 
@@ -71,44 +76,9 @@ after the highest row that was read. The 64-bit field of the trailer holds
 """
 
 
-@dataclass(frozen=True, order=True, slots=True)
-class RowRef:
-    """Position of one row: group, segment number, row index in the segment."""
-
-    group_id: int
-    segment: int
-    row: int
-
-
 DEFERRED = RowRef(-2, -2, -2)
 """What :meth:`RowIndex.reserve` returns with ``(False, DEFERRED)``: room needs
 keys of other groups only, and ``evict_others`` was False (nothing evicted)."""
-
-
-@dataclass(frozen=True, slots=True)
-class RowEntry:
-    """A visible row: where it is, the stored sub-block range and its sequence number."""
-
-    ref: RowRef
-    start: int
-    stop: int
-    seq: int
-
-
-@dataclass(frozen=True, slots=True)
-class Growth:
-    """A planned growth of one segment: rows ``start..stop`` become allocated.
-
-    ``new``: the segment file does not exist yet (create it with a header of
-    ``num_rows`` rows and room for ``stop`` rows); otherwise extend it.
-    """
-
-    group_id: int
-    segment: int
-    num_rows: int
-    start: int
-    stop: int
-    new: bool
 
 
 class RowIndex:
@@ -166,29 +136,13 @@ class RowIndex:
         self.eviction_window = eviction_window
         self._window_share = window_share
         self._row_nbytes = dict(row_nbytes)
-        self._rows_per_segment = dict(rows_per_segment)
-        self._grow_rows = {g: max(1, min(grow_rows[g], rows_per_segment[g])) for g in row_nbytes}
         self.capacity_bytes = capacity_bytes
+        self._table = SegmentTable(row_nbytes, rows_per_segment, grow_rows)
+        self._rows = RowAllocator(row_nbytes)
+        self._keys = KeyIndex(row_nbytes)
         self.disk_budget_nbytes = capacity_bytes + sum(
-            self._grow_rows[g] * r for g, r in self._row_nbytes.items()
+            self._table.grow_step_nbytes(g) for g in self._row_nbytes
         )
-        self.bytes_used = 0
-        self.allocated_nbytes = 0
-        # group -> segment -> [num_rows (header), allocated rows (file)]
-        self._segments: dict[int, dict[int, list[int]]] = {g: {} for g in row_nbytes}
-        self._next_segment: dict[int, int] = dict.fromkeys(row_nbytes, 0)
-        self._free: dict[int, list[RowRef]] = {g: [] for g in row_nbytes}
-        self._stale: list[RowRef] = []
-        self._holed: set[RowRef] = set()  # punched rows (free, or being blanked)
-        self._holed_nbytes = 0
-        # rows counted as punched before their punch is done (mark_punched)
-        self._promised: set[RowRef] = set()
-        self._promised_nbytes = 0
-        self._lru: OrderedDict[OffloadKey, RowEntry] = OrderedDict()
-        self._pending: dict[OffloadKey, set[int]] = {}
-        self._pins: dict[RowRef, int] = {}
-        self._zombies: set[RowRef] = set()
-        self._seq = 0
         self.evictions = 0
         self.window_evictions = 0
         self.disk_full_evictions = 0
@@ -197,11 +151,21 @@ class RowIndex:
         """Bytes of one row of a group."""
         return self._row_nbytes[group_id]
 
+    @property
+    def bytes_used(self) -> int:
+        """Row bytes of visible, reserved and zombie rows plus reservations without a row."""
+        return self._rows.bytes_used
+
+    @property
+    def allocated_nbytes(self) -> int:
+        """Row bytes allocated in segment files (every state), growths in progress included."""
+        return self._table.allocated_nbytes
+
     # -- segments ---------------------------------------------------------------
 
     def segments(self, group_id: int) -> dict[int, tuple[int, int]]:
         """Segment number -> ``(num_rows, allocated rows)``, for one group (a copy)."""
-        return {s: (n, a) for s, (n, a) in self._segments[group_id].items()}
+        return self._table.segments(group_id)
 
     def rebuild(
         self,
@@ -232,43 +196,29 @@ class RowIndex:
                 it every allocated row counts as holding blocks).
 
         """
-        best: dict[OffloadKey, RowEntry] = {}
-        losers: list[RowRef] = []
-        for ref, key, start, stop, seq in rows:
-            old = best.get(key)
-            if old is None or seq > old.seq:
-                best[key] = RowEntry(ref, start, stop, seq)
-                if old is not None:
-                    losers.append(old.ref)
-            else:
-                losers.append(ref)
-            self._seq = max(self._seq, seq)
-        taken = {e.ref for e in best.values()} | set(losers)
+        visible, losers = self._keys.rebuild(rows)
+        taken = visible | set(losers)
         for (g, seg), (num_rows, allocated) in sorted(segments.items()):
-            self._segments[g][seg] = [num_rows, allocated]
-            self._next_segment[g] = max(self._next_segment[g], seg + 1)
-            self.allocated_nbytes += allocated * self._row_nbytes[g]
-            self._free[g].extend(
-                ref for i in range(allocated) if (ref := RowRef(g, seg, i)) not in taken
+            self._table.add(g, seg, num_rows, allocated)
+            self._rows.extend_free(
+                g, (ref for i in range(allocated) if (ref := RowRef(g, seg, i)) not in taken)
             )
-            heapq.heapify(self._free[g])
-        self._stale.extend(losers)
+        self._rows.stale.extend(losers)
         for ref in holes:
             if ref not in taken:
-                self._add_hole(ref)  # punched in an earlier session: done, not promised
+                self._rows.add_hole(ref)  # punched in an earlier session: done, not promised
         if blind:
-            self._seq += SEQ_JUMP
-        for key, entry in sorted(best.items(), key=lambda kv: kv[1].seq):
-            self._lru[key] = entry
-            self.bytes_used += self._row_nbytes[key.group_id]
-        while self.bytes_used > self.capacity_bytes:
-            key, entry = self._lru.popitem(last=False)
+            self._keys.seq += SEQ_JUMP
+        for key in self._keys.lru:
+            self._rows.bytes_used += self._row_nbytes[key.group_id]
+        while self._rows.bytes_used > self.capacity_bytes:
+            key, entry = self._keys.lru.popitem(last=False)
             self.evictions += 1
-            self._release(entry.ref)
+            self._rows.release(entry.ref)
 
     def skip_segment(self, group_id: int, segment: int) -> None:
         """Never hand out ``segment`` (an unusable file with that number exists)."""
-        self._next_segment[group_id] = max(self._next_segment[group_id], segment + 1)
+        self._table.skip_segment(group_id, segment)
 
     def plan_growth(self, group_id: int, max_rows: int | None = None) -> Growth:
         """Plan allocating more rows for a group: extend a segment or start a new one.
@@ -281,37 +231,39 @@ class RowIndex:
         and never beyond a segment's ``num_rows``. The caller serializes growths of a group,
         performs the I/O, then calls :meth:`commit_growth` or :meth:`abandon_growth`.
         """
-        row = self._row_nbytes[group_id]
-        room = (self.disk_budget_nbytes - self.growth_held_nbytes) // row
-        want = max(1, min(self._grow_rows[group_id], room))
-        if max_rows is not None:
-            want = max(1, min(want, max_rows))
-        for seg, (num_rows, allocated) in sorted(self._segments[group_id].items()):
-            if allocated < num_rows:
-                stop = min(num_rows, allocated + want)
-                plan = Growth(group_id, seg, num_rows, allocated, stop, False)
-                break
-        else:
-            seg = self._next_segment[group_id]
-            self._next_segment[group_id] = seg + 1
-            num_rows = self._rows_per_segment[group_id]
-            plan = Growth(group_id, seg, num_rows, 0, min(num_rows, want), True)
-        self.allocated_nbytes += (plan.stop - plan.start) * row
-        return plan
+        room = (self.disk_budget_nbytes - self.growth_held_nbytes) // self._row_nbytes[group_id]
+        return self._table.plan_growth(group_id, room, max_rows)
 
     def grow_step_nbytes(self, group_id: int) -> int:
         """Bytes of one full growth step of a group (``grow_rows`` rows)."""
-        return self._grow_rows[group_id] * self._row_nbytes[group_id]
+        return self._table.grow_step_nbytes(group_id)
 
     def commit_growth(self, plan: Growth) -> None:
         """The planned rows exist on disk (blank): add them to the free rows."""
-        self._segments[plan.group_id].setdefault(plan.segment, [plan.num_rows, 0])[1] = plan.stop
-        for i in range(plan.start, plan.stop):
-            heapq.heappush(self._free[plan.group_id], RowRef(plan.group_id, plan.segment, i))
+        self._table.commit_growth(plan)
+        self._rows.push_free(
+            RowRef(plan.group_id, plan.segment, i) for i in range(plan.start, plan.stop)
+        )
 
     def abandon_growth(self, plan: Growth) -> None:
         """The growth failed: forget the planned rows (a new segment number is not reused)."""
-        self.allocated_nbytes -= (plan.stop - plan.start) * self._row_nbytes[plan.group_id]
+        self._table.abandon_growth(plan)
+
+    def growth_nbytes(self, group_id: int) -> int:
+        """Disk bytes a one-row growth of a group takes: its row, and a header for a new segment."""
+        return self._table.growth_nbytes(group_id)
+
+    def wants_growth(self, group_id: int) -> bool:
+        """Whether a group should grow ahead of need.
+
+        True when its free rows are at most half a growth step and a full step
+        still fits in ``disk_budget_nbytes`` (growth ahead never takes the
+        last rows of the budget: an on-demand growth for a waiting write may).
+        """
+        step = self._table.grow_rows[group_id]
+        room = self.disk_budget_nbytes - self.growth_held_nbytes
+        low = self._rows.free_rows(group_id) <= step // 2
+        return low and room >= step * self._row_nbytes[group_id]
 
     # -- capacity and allocation ------------------------------------------------
 
@@ -358,12 +310,12 @@ class RowIndex:
         row = self._row_nbytes[group_id]
         if row > self.capacity_bytes:
             return False, None
-        need = self.bytes_used + row - self.capacity_bytes
+        need = self._rows.bytes_used + row - self.capacity_bytes
         if 0 < need <= row and (ref := self._own_victim(group_id, protect)) is not None:
             return True, ref
         victims: list[OffloadKey] = []
         if need > 0:
-            found = self._lru_victims(need, protect)
+            found = self._keys.victims(need, protect, self._rows.pins)
             if found is None:
                 return False, None
             victims = found
@@ -371,53 +323,29 @@ class RowIndex:
                 return False, DEFERRED  # none of them would hand a row over: grow first
         own: RowRef | None = None
         for key in victims:
-            entry = self._lru.pop(key)
+            entry = self._keys.lru.pop(key)
             self.evictions += 1
             if own is None and entry.ref.group_id == group_id:
                 own = entry.ref  # its bytes stay counted: they are the reservation
             else:
-                self._release(entry.ref)
+                self._rows.release(entry.ref)
         if own is None:
-            self.bytes_used += row
+            self._rows.bytes_used += row
         return True, own
-
-    def _lru_victims(
-        self, need: int, protect: Container[OffloadKey], skip_group: int | None = None
-    ) -> list[OffloadKey] | None:
-        """The least recently used evictable keys whose rows add up to ``need`` bytes.
-
-        Pinned keys, keys in ``protect`` and keys of ``skip_group`` are passed
-        over. None when all the others together hold less.
-        """
-        victims: list[OffloadKey] = []
-        freed = 0
-        for key, entry in self._lru.items():
-            if key.group_id == skip_group or key in protect or entry.ref in self._pins:
-                continue
-            victims.append(key)
-            freed += self._row_nbytes[key.group_id]
-            if freed >= need:
-                return victims
-        return None
 
     def _own_victim(self, group_id: int, protect: Container[OffloadKey]) -> RowRef | None:
         """Evict the LRU key of ``group_id`` if it is within the window; its row, or None."""
-        window = min(self.eviction_window, len(self._lru) // self._window_share)
+        window = min(self.eviction_window, len(self._keys) // self._window_share)
         if window <= 1:  # strict LRU (the loop in reserve hands back an own first victim)
             return None
-        seen = 0
-        for key, entry in self._lru.items():
-            if key in protect or entry.ref in self._pins:
-                continue
-            if key.group_id == group_id:
-                del self._lru[key]
-                self.evictions += 1
-                self.window_evictions += seen > 0  # strict LRU would have taken another
-                return entry.ref  # its bytes stay counted: they are the reservation
-            seen += 1
-            if seen >= window:
-                return None
-        return None
+        found = self._keys.oldest_of(group_id, protect, self._rows.pins, window)
+        if found is None:
+            return None
+        key, seen = found
+        entry = self._keys.lru.pop(key)
+        self.evictions += 1
+        self.window_evictions += seen > 0  # strict LRU would have taken another
+        return entry.ref  # its bytes stay counted: they are the reservation
 
     def evict_own(
         self, group_id: int, protect: Container[OffloadKey], reserved: bool = True
@@ -443,21 +371,15 @@ class RowIndex:
             reservation is unchanged).
 
         """
-        for key, entry in self._lru.items():
-            if key.group_id != group_id or key in protect or entry.ref in self._pins:
-                continue
-            del self._lru[key]
-            self.evictions += 1
-            self.disk_full_evictions += 1
-            if reserved:
-                self.bytes_used -= self._row_nbytes[group_id]
-            return entry.ref
-        return None
-
-    def growth_nbytes(self, group_id: int) -> int:
-        """Disk bytes a one-row growth of a group takes: its row, and a header for a new segment."""
-        extend = any(a < n for n, a in self._segments[group_id].values())
-        return self._row_nbytes[group_id] + (0 if extend else HEADER_NBYTES)
+        found = self._keys.oldest_of(group_id, protect, self._rows.pins)
+        if found is None:
+            return None
+        entry = self._keys.lru.pop(found[0])
+        self.evictions += 1
+        self.disk_full_evictions += 1
+        if reserved:
+            self._rows.bytes_used -= self._row_nbytes[group_id]
+        return entry.ref
 
     def take_for_disk(
         self,
@@ -493,43 +415,24 @@ class RowIndex:
             when the evictable keys of other groups hold less than ``nbytes``
             (nothing is evicted then).
         """
-        refs: list[RowRef] = []
-        got = 0
         if not keys:
-            rows = [
-                ref
-                for g, free in self._free.items()
-                if g != group_id
-                for ref in free
-                if ref not in self._holed and ref not in skip
-            ]
-            rows.sort(key=lambda r: (-len(self._free[r.group_id]), r))
-            for ref in rows:
-                if got >= nbytes:
-                    break
-                refs.append(ref)
-                got += self._row_nbytes[ref.group_id]
-            taken = set(refs)
-            for g in {r.group_id for r in refs}:
-                self._free[g] = [r for r in self._free[g] if r not in taken]
-                heapq.heapify(self._free[g])
-            self.mark_punched(refs)
-            return refs
-        victims = self._lru_victims(nbytes, protect, skip_group=group_id)
+            return self._rows.take_other_free(group_id, nbytes, skip)
+        victims = self._keys.victims(nbytes, protect, self._rows.pins, skip_group=group_id)
         if victims is None:
             return []
+        refs: list[RowRef] = []
         for key in victims:
-            entry = self._lru.pop(key)
+            entry = self._keys.lru.pop(key)
             self.evictions += 1
             self.disk_full_evictions += 1
-            self.bytes_used -= self._row_nbytes[key.group_id]
+            self._rows.bytes_used -= self._row_nbytes[key.group_id]
             refs.append(entry.ref)
-        self.mark_punched(refs)
+        self._rows.mark_punched(refs)
         return refs
 
     def unreserve(self, group_id: int) -> None:
         """Give back a reservation of :meth:`reserve` that got no row."""
-        self.bytes_used -= self._row_nbytes[group_id]
+        self._rows.bytes_used -= self._row_nbytes[group_id]
 
     def take_free(self, group_id: int, holes: bool = True) -> RowRef | None:
         """Take the lowest free row of a group for a reservation (None: grow first).
@@ -543,52 +446,15 @@ class RowIndex:
                 a write into a hole fails with ENOSPC; it is then given back
                 with :meth:`reclaimed` ``(punched=True)``).
         """
-        free = self._free[group_id]
-        if not free:
-            return None
-        if holes or free[0] not in self._holed:
-            ref = heapq.heappop(free)
-        else:  # rare: rows are punched only past the disk budget
-            kept = [r for r in free if r in self._holed]
-            full = sorted(r for r in free if r not in self._holed)
-            if not full:
-                return None
-            ref = full[0]
-            kept += full[1:]
-            heapq.heapify(kept)
-            self._free[group_id] = kept
-        self._drop_hole(ref)  # a punched row: its blocks are allocated again
-        return ref
+        return self._rows.take_free(group_id, holes)
 
     def has_row(self, group_id: int) -> bool:
         """Whether a group has a free row that holds its disk blocks (not punched)."""
-        free = self._free[group_id]
-        return bool(free) and (
-            free[0] not in self._holed or any(r not in self._holed for r in free)
-        )
+        return self._rows.has_row(group_id)
 
     def free_rows(self, group_id: int) -> int:
         """Return the number of free rows of a group."""
-        return len(self._free[group_id])
-
-    def wants_growth(self, group_id: int) -> bool:
-        """Whether a group should grow ahead of need.
-
-        True when its free rows are at most half a growth step and a full step
-        still fits in ``disk_budget_nbytes`` (growth ahead never takes the
-        last rows of the budget: an on-demand growth for a waiting write may).
-        """
-        step = self._grow_rows[group_id]
-        room = self.disk_budget_nbytes - self.growth_held_nbytes
-        low = len(self._free[group_id]) <= step // 2
-        return low and room >= step * self._row_nbytes[group_id]
-
-    def _release(self, ref: RowRef) -> None:
-        if ref in self._pins:
-            self._zombies.add(ref)
-        else:
-            self.bytes_used -= self._row_nbytes[ref.group_id]
-            self._stale.append(ref)
+        return self._rows.free_rows(group_id)
 
     @property
     def held_nbytes(self) -> int:
@@ -596,7 +462,7 @@ class RowIndex:
 
         Rows being punched count as punched already (:meth:`mark_punched`).
         """
-        return self.allocated_nbytes - self._holed_nbytes
+        return self._table.allocated_nbytes - self._rows.holed_nbytes
 
     @property
     def growth_held_nbytes(self) -> int:
@@ -605,7 +471,7 @@ class RowIndex:
         What growth plans against: room that a punch in flight has only
         promised is not on disk yet (and the punch may fail).
         """
-        return self.held_nbytes + self._promised_nbytes
+        return self.held_nbytes + self._rows.promised_nbytes
 
     @property
     def over_budget(self) -> bool:
@@ -620,26 +486,11 @@ class RowIndex:
 
     def punched(self, ref: RowRef) -> bool:
         """Whether an allocated row counts as punched (holds no disk blocks)."""
-        return ref in self._holed
+        return ref in self._rows.holed
 
     def take_stale(self) -> list[RowRef]:
         """Hand the stale rows to the caller, who blanks their trailers, then :meth:`reclaimed`."""
-        stale, self._stale = self._stale, []
-        return stale
-
-    def _add_hole(self, ref: RowRef) -> bool:
-        """Count ``ref`` as punched; False if it already was."""
-        if ref in self._holed:
-            return False
-        self._holed.add(ref)
-        self._holed_nbytes += self._row_nbytes[ref.group_id]
-        return True
-
-    def _drop_hole(self, ref: RowRef) -> None:
-        """Count ``ref`` as holding blocks again (if it was punched)."""
-        if ref in self._holed:
-            self._holed.discard(ref)
-            self._holed_nbytes -= self._row_nbytes[ref.group_id]
+        return self._rows.take_stale()
 
     def mark_punched(self, refs: Iterable[RowRef]) -> None:
         """Count rows taken for blanking as punched now, before the I/O.
@@ -648,10 +499,7 @@ class RowIndex:
         :meth:`reclaimed` settles it. Until then growth does not count on
         the room they will leave (:attr:`growth_held_nbytes`).
         """
-        for ref in refs:
-            if self._add_hole(ref):
-                self._promised.add(ref)
-                self._promised_nbytes += self._row_nbytes[ref.group_id]
+        self._rows.mark_punched(refs)
 
     def take_to_punch(self, nbytes: int) -> list[RowRef]:
         """Take free rows that hold blocks, at least ``nbytes`` of them, to be punched.
@@ -661,66 +509,29 @@ class RowIndex:
         the lowest, which keep their blocks). The rows leave the free rows
         and count as punched at once; give them back with :meth:`reclaimed`.
         """
-        refs: list[RowRef] = []
-        if nbytes <= 0:
-            return refs
-        free_bytes = {g: len(f) * self._row_nbytes[g] for g, f in self._free.items()}
-        for g in sorted(free_bytes, key=lambda g: -free_bytes[g]):
-            kept = []
-            for ref in sorted(self._free[g], reverse=True):
-                if nbytes > 0 and ref not in self._holed:
-                    refs.append(ref)
-                    nbytes -= self._row_nbytes[g]
-                else:
-                    kept.append(ref)
-            if len(kept) != len(self._free[g]):
-                kept.reverse()  # ascending: a valid heap
-                self._free[g] = kept
-            if nbytes <= 0:
-                break
-        self.mark_punched(refs)
-        return refs
+        return self._rows.take_to_punch(nbytes)
 
     def reclaimed(self, refs: Iterable[RowRef], punched: bool = False) -> None:
         """Rows from :meth:`take_stale` or :meth:`take_to_punch`, now blank, become free.
 
         ``punched``: their disk blocks were released (else they hold blocks).
         """
-        for ref in refs:
-            heapq.heappush(self._free[ref.group_id], ref)
-            if ref in self._promised:
-                self._promised.discard(ref)
-                self._promised_nbytes -= self._row_nbytes[ref.group_id]
-            if punched:
-                self._add_hole(ref)
-            else:
-                self._drop_hole(ref)
+        self._rows.reclaimed(refs, punched)
 
     @property
     def stale_rows(self) -> int:
         """Rows waiting for :meth:`take_stale`."""
-        return len(self._stale)
+        return len(self._rows.stale)
 
     # -- writes -----------------------------------------------------------------
 
     def begin_write(self, key: OffloadKey) -> int:
         """Register a write of ``key`` in flight; return its new sequence number."""
-        self._seq += 1
-        self._pending.setdefault(key, set()).add(self._seq)
-        return self._seq
+        return self._keys.begin_write(key)
 
     def abandon_write(self, key: OffloadKey, seq: int) -> None:
         """Forget a write registered by :meth:`begin_write` that never got a row."""
-        self._end_write(key, seq)
-
-    def _end_write(self, key: OffloadKey, seq: int) -> bool:
-        seqs = self._pending.get(key)
-        if seqs is None or seq not in seqs:
-            return False
-        seqs.discard(seq)
-        if not seqs:
-            del self._pending[key]
-        return True
+        self._keys.end_write(key, seq)
 
     def finish_write(self, key: OffloadKey, ref: RowRef, seq: int, start: int, stop: int) -> bool:
         """Publish a completed row write.
@@ -735,18 +546,10 @@ class RowIndex:
             Whether the row became visible.
 
         """
-        old = self._lru.get(key)
-        if not self._end_write(key, seq) or (old is not None and old.seq > seq):
-            self._release(ref)
-            return False
-        newer = {s for s in self._pending.pop(key, ()) if s > seq}
-        if newer:
-            self._pending[key] = newer
-        self._lru[key] = RowEntry(ref, start, stop, seq)
-        self._lru.move_to_end(key)
-        if old is not None:
-            self._release(old.ref)
-        return True
+        visible, stale = self._keys.publish(key, ref, seq, start, stop)
+        if stale is not None:
+            self._rows.release(stale)
+        return visible
 
     def fail_write(self, key: OffloadKey, ref: RowRef, seq: int, hole: bool = False) -> None:
         """Forget a failed write; its row becomes stale (it may hold part of a trailer).
@@ -756,57 +559,49 @@ class RowIndex:
         it back with :meth:`reclaimed`: for a write that ran out of space, whose
         row may lack disk blocks.
         """
-        self._end_write(key, seq)
+        self._keys.end_write(key, seq)
         if not hole:
-            self._release(ref)
+            self._rows.release(ref)
             return
-        self.bytes_used -= self._row_nbytes[ref.group_id]
-        self.mark_punched([ref])
+        self._rows.bytes_used -= self._row_nbytes[ref.group_id]
+        self._rows.mark_punched([ref])
 
     # -- lookups and reads ------------------------------------------------------
 
     def lookup(self, key: OffloadKey) -> RowEntry | None:
         """Return the visible entry of a key, or None (does not touch the LRU)."""
-        return self._lru.get(key)
+        return self._keys.lookup(key)
 
     def keys(self) -> list[OffloadKey]:
         """All visible keys, groups in id order, least recently used first."""
-        return sorted(self._lru, key=lambda k: k.group_id)
+        return self._keys.keys()
 
     def lru_keys(self) -> list[OffloadKey]:
         """All visible keys of all groups, least recently used first."""
-        return list(self._lru)
+        return self._keys.lru_keys()
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._keys)
 
     @property
     def rows_pinned(self) -> int:
         """Rows pinned now (by reads in flight and holds), dropped ones included."""
-        return len(self._pins)
+        return len(self._rows.pins)
 
     def pin(self, key: OffloadKey) -> RowEntry | None:
         """Look up a visible key and pin its row against eviction and reuse until :meth:`unpin`."""
-        entry = self._lru.get(key)
+        entry = self._keys.lookup(key)
         if entry is not None:
-            self._pins[entry.ref] = self._pins.get(entry.ref, 0) + 1
+            self._rows.pin(entry.ref)
         return entry
 
     def unpin(self, ref: RowRef) -> None:
         """Undo one :meth:`pin`; a row dropped meanwhile becomes stale now."""
-        n = self._pins[ref] - 1
-        if n:
-            self._pins[ref] = n
-            return
-        del self._pins[ref]
-        if ref in self._zombies:
-            self._zombies.discard(ref)
-            self._release(ref)
+        self._rows.unpin(ref)
 
     def touch(self, key: OffloadKey) -> None:
         """Mark a visible key most recently used."""
-        if key in self._lru:
-            self._lru.move_to_end(key)
+        self._keys.touch(key)
 
     def drop(self, key: OffloadKey, ref: RowRef | None = None) -> bool:
         """Forget a visible key (only if it is still at ``ref`` when given); its row goes stale.
@@ -815,14 +610,59 @@ class RowIndex:
             Whether the key was dropped.
 
         """
-        entry = self._lru.get(key)
-        if entry is None or (ref is not None and entry.ref != ref):
+        entry = self._keys.remove(key, ref)
+        if entry is None:
             return False
-        del self._lru[key]
-        self._release(entry.ref)
+        self._rows.release(entry.ref)
         return True
 
     def discard(self, key: OffloadKey) -> None:
         """Forget a key: drop it and keep writes in flight from publishing it."""
-        self._pending.pop(key, None)
+        self._keys.pending.pop(key, None)
         self.drop(key)
+
+    # -- the parts' state, read by invariant checks -----------------------------
+
+    @property
+    def _free(self) -> dict[int, list[RowRef]]:
+        return self._rows.free
+
+    @property
+    def _stale(self) -> list[RowRef]:
+        return self._rows.stale
+
+    @property
+    def _holed(self) -> set[RowRef]:
+        return self._rows.holed
+
+    @property
+    def _promised(self) -> set[RowRef]:
+        return self._rows.promised
+
+    @property
+    def _pins(self) -> dict[RowRef, int]:
+        return self._rows.pins
+
+    @property
+    def _zombies(self) -> set[RowRef]:
+        return self._rows.zombies
+
+    @property
+    def _lru(self) -> OrderedDict[OffloadKey, RowEntry]:
+        return self._keys.lru
+
+    @property
+    def _pending(self) -> dict[OffloadKey, set[int]]:
+        return self._keys.pending
+
+    @property
+    def _seq(self) -> int:
+        return self._keys.seq
+
+    @property
+    def _segments(self) -> dict[int, dict[int, list[int]]]:
+        return self._table.table
+
+    @property
+    def _grow_rows(self) -> dict[int, int]:
+        return self._table.grow_rows

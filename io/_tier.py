@@ -13,7 +13,6 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, cast
 
-from kvtier._types import OffloadKey
 from kvtier.errors import (
     ChunkRangeError,
     ConfigError,
@@ -43,6 +42,7 @@ from kvtier.io._rowio import (
     select_backend,
     submits,
 )
+from kvtier.keys import OffloadKey
 
 __all__ = ["FAILURE_KINDS", "NVMeTier"]
 
