@@ -149,8 +149,10 @@ async def test_run_bench_freezes_its_set_up_heap_only_for_the_phases() -> None:
     try:
         frozen = gc.get_freeze_count()
         result = await run_bench(cfg)
-        assert result["gc_frozen_objects"] == frozen
-        assert gc.get_freeze_count() > frozen // 2  # still frozen (less what has died since)
+        # Frozen objects still die by reference counting, so the count can only
+        # fall; a second freeze by the bench would add its set-up heap to it.
+        assert frozen // 2 < result["gc_frozen_objects"] <= frozen
+        assert frozen // 2 < gc.get_freeze_count() <= frozen  # still frozen, nothing added
     finally:
         gc.unfreeze()
 
