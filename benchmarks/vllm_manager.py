@@ -35,7 +35,7 @@ def vllm_manager(num_slots: int) -> Any:
     params = inspect.signature(CPUOffloadingManager).parameters
     kwargs: dict[str, Any] = {}
     for name in params:
-        if name in ("num_blocks", "num_cpu_blocks"):
+        if name in ("num_chunks", "num_blocks", "num_cpu_blocks"):
             kwargs[name] = num_slots
         elif name in ("cache_policy", "eviction_policy"):
             kwargs[name] = "lru"
