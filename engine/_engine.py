@@ -5,11 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -18,6 +16,7 @@ from typing import Any, Self
 import torch
 
 from kvtier._config import EngineConfig
+from kvtier._holds import Hold, HoldRegistry, Pins, leading
 from kvtier._policy import make_policy
 from kvtier._slots import HostRegion, SlotEntry, SlotPool, SlotState
 from kvtier._transfer import (
@@ -38,10 +37,9 @@ from kvtier._types import (
     Residency,
     StoreResult,
 )
+from kvtier._validation import CallValidator
 from kvtier.errors import (
-    BlockIdError,
     BudgetError,
-    ChunkRangeError,
     ConfigError,
     DuplicateKeyError,
     EngineClosedError,
@@ -51,7 +49,7 @@ from kvtier.errors import (
     TransferError,
     WrongThreadError,
 )
-from kvtier.layout import KVLayout, byte_extent, page_intervals
+from kvtier.layout import KVLayout
 
 log = logging.getLogger("kvtier")
 
@@ -198,143 +196,6 @@ def _not_stored(chunk: Chunk, stored: tuple[int, int]) -> NotStoredError | None:
     )
 
 
-def _written_twice(chunks: Sequence[Chunk], group_id: int) -> int:
-    """The first GPU block of ``group_id`` that two sub-blocks of ``chunks`` write."""
-    seen: set[int] = set()
-    for chunk in chunks:
-        if chunk.key.group_id == group_id:
-            for b in chunk.block_ids:
-                if b in seen:
-                    return b
-                seen.add(b)
-    raise AssertionError("no block is written twice")  # pragma: no cover
-
-
-def _leading(residency: Iterable[Residency], counted: tuple[Residency, ...]) -> int:
-    """How many leading entries of ``residency`` are in ``counted`` (a prefix hit count)."""
-    return sum(1 for _ in itertools.takewhile(lambda r: r in counted, residency))
-
-
-class Hold:
-    """Keys that :meth:`TransferEngine.hold` keeps from eviction until :meth:`release`.
-
-    A key in a CPU slot is pinned there (``EngineStats.slots_pinned`` counts
-    it) and a key only on NVMe has its row pinned: neither is evicted, nor
-    its slot or row reused, until the hold is released. A held NVMe-only key
-    keeps its row, not a CPU slot: its load still needs a free or evictable
-    slot to promote it into; once a load or prefetch has promoted it, the
-    hold pins that slot too (until the release). A context manager: ``with engine.hold(keys) as
-    held: ...`` releases on exit. A hold that is garbage-collected before
-    its release (the last reference dropped, e.g. by a request aborted
-    between its admission and its load) is released then, on the engine's
-    loop: a forgotten hold does not pin its keys for the rest of the
-    engine's life (``EngineStats.holds_dropped`` counts them; the engine's
-    first is logged as a warning). The release runs at the loop's next
-    iteration (``release()`` at once); a hold in a reference cycle waits for
-    the cyclic collector. A hold cannot be copied or pickled (a copy would
-    release the same pins).
-
-    Attributes:
-        keys: the keys asked for, in call order.
-        residency: where each key was at the call: ``CPU`` and ``NVME`` keys
-            are held; ``PENDING`` ones (a store or promotion in flight) and
-            ``MISS`` ones are not.
-    """
-
-    __slots__ = ("__weakref__", "_engine", "_pins", "_release_fn", "keys", "residency")
-
-    def __init__(
-        self,
-        engine: TransferEngine,
-        keys: tuple[OffloadKey, ...],
-        residency: tuple[Residency, ...],
-        cpu: list[OffloadKey],
-        rows: list[tuple[OffloadKey, Any]],
-    ) -> None:
-        self._engine: TransferEngine | None = engine
-        self._pins = _Pins(cpu, rows)
-        self.keys = keys
-        self.residency = residency
-        # BackgroundEngine routes the release to its engine thread.
-        self._release_fn: Callable[[Hold], None] = engine._release_hold
-
-    @property
-    def prefix_hits(self) -> int:
-        """Leading keys this hold holds (``CPU`` or ``NVME``).
-
-        Unlike :meth:`TransferEngine.prefix_hits` it stops at a ``PENDING``
-        key too: a key whose store is in flight is not held, and may be
-        evicted before the load.
-        """
-        return _leading(self.residency, (Residency.CPU, Residency.NVME))
-
-    @property
-    def released(self) -> bool:
-        """Whether :meth:`release` ran (or the engine closed)."""
-        return self._engine is None
-
-    def release(self) -> None:
-        """Let the held keys be evicted again. Idempotent; nothing to do after the engine closed.
-
-        Raises:
-            WrongThreadError: called from another thread than the engine's
-                (nothing released). A :class:`BackgroundEngine`'s hold may be
-                released from any thread.
-        """
-        if self._engine is not None:
-            self._release_fn(self)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        state = "released" if self.released else "held"
-        return f"<kvtier.Hold of {len(self.keys)} keys, {state}>"
-
-    def __copy__(self) -> Hold:
-        raise TypeError("a kvtier.Hold cannot be copied: each hold is released once")
-
-    def __deepcopy__(self, memo: object) -> Hold:
-        raise TypeError("a kvtier.Hold cannot be copied: each hold is released once")
-
-    def __reduce__(self) -> Any:
-        raise TypeError("a kvtier.Hold cannot be pickled: its pins live in one engine")
-
-    def __del__(self) -> None:
-        # Dropped unreleased: the engine releases its pins on its loop. No
-        # module globals here: at interpreter shutdown they may be None already.
-        engine = self._engine
-        if engine is not None:
-            try:  # noqa: SIM105 - contextlib may be None at interpreter shutdown
-                engine._hold_dropped(self._pins)
-            except Exception:  # a closed loop; interpreter shutdown
-                pass
-
-
-class _Pins:
-    """What one :class:`Hold` pinned, released once (on the engine's loop thread).
-
-    ``cpu``: keys whose slots it pinned (at the call, and NVMe-only keys
-    promoted since: :meth:`TransferEngine._hold_promoted`); ``rows``: ``(key,
-    row ref)`` of the NVMe rows it pinned.
-    """
-
-    __slots__ = ("cpu", "released", "rows")
-
-    def __init__(self, cpu: list[OffloadKey], rows: list[tuple[OffloadKey, Any]]) -> None:
-        self.cpu = cpu
-        self.rows = rows
-        self.released = False
-
-
 class TransferEngine:
     """Moves chunks of ONE KV cache group at a time between GPU blocks, CPU slots and NVMe.
 
@@ -386,11 +247,8 @@ class TransferEngine:
                 f"NVMeConfig.capacity_bytes={config.nvme.capacity_bytes} cannot hold one "
                 f"{self.slot_nbytes}-byte row of the largest group (blocks_per_chunk={bpc})"
             )
-        self._alias_class = self._alias_classes(layout)
-        self._alias_size = {
-            g: sum(1 for c in self._alias_class.values() if c == cls)
-            for g, cls in self._alias_class.items()
-        }
+        self._validate = CallValidator(layout, bpc)
+        self._alias_class = self._validate.alias_class
         # For load turns: groups whose blocks share bytes only at the same block id
         # (one tensor in several groups, as vLLM's hybrid allocator shares them) get
         # one label, and their pages compare by block id; None: the group's blocks
@@ -408,14 +266,8 @@ class TransferEngine:
         # Load calls that wait before they submit: later loads of their pages wait for them.
         self._load_turns: list[_LoadTurn] = []
         self._tasks: set[asyncio.Future[Any]] = set()
-        # Holds not yet released (aclose releases them). Weak: a dropped hold
-        # is garbage-collected, and its __del__ has the engine release its pins.
-        self._holds: weakref.WeakSet[Hold] = weakref.WeakSet()
-        self._holds_dropped = 0  # holds garbage-collected unreleased (then released)
-        # NVMe-only keys held by their rows -> {hold: times it lists the key}: a
-        # promotion pins the new slot too. A dict, so ending one of many holds
-        # of a shared prefix key costs O(1), not a scan of the others.
-        self._row_holds: dict[OffloadKey, dict[_Pins, int]] = {}
+        # Holds not yet released (aclose releases them).
+        self._holds = HoldRegistry(self._pool)
         self._close_task: asyncio.Task[None] | None = None
         # While start() runs: its end (set once it returned or raised), and
         # whether aclose() asked it to stop at its next step.
@@ -429,38 +281,6 @@ class TransferEngine:
         self._nvme: Any = None
         self._nvme_final: dict[str, Any] | None = None  # the tier's last counters once closed
         self._writer: Any = None
-
-    @staticmethod
-    def _alias_classes(layout: KVLayout) -> dict[int, int]:
-        """Map each group to the smallest group id whose tensors' memory may overlap its own.
-
-        By address extents per device, not by storage object: two storages
-        may map the same memory (``torch.frombuffer``, DLPack, CUDA IPC).
-        Groups whose extents touch nothing of another group's never alias
-        (their loads skip the page check).
-        """
-        spans = sorted(  # (device, first byte, end, group) of every piece
-            (str(p.view.device), *byte_extent(p.view), g)
-            for g in layout.group_ids
-            for lay in layout.group(g).layers
-            for p in lay.pieces
-        )
-        cls = {g: g for g in layout.group_ids}
-
-        def root(g: int) -> int:
-            while cls[g] != g:
-                g = cls[g]
-            return g
-
-        reach, head, device = -1, -1, ""
-        for dev, start, end, g in spans:  # a run of overlapping extents is one class
-            if dev == device and start < reach:
-                a, b = root(head), root(g)
-                cls[max(a, b)] = min(a, b)
-                reach = max(reach, end)
-            else:
-                device, reach, head = dev, end, g
-        return {g: root(g) for g in layout.group_ids}
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> Self:
@@ -518,7 +338,7 @@ class TransferEngine:
                 from kvtier._writeback import NVMeWriter, open_tier
 
                 self._nvme = await open_tier(self)
-                self._writer = NVMeWriter(self, self._nvme)
+                self._writer = NVMeWriter(self, self._nvme, on_promoted=self._holds.promoted)
                 self._stop_if_closing()
         except BaseException:
             self._state = "closed"
@@ -604,7 +424,7 @@ class TransferEngine:
     async def _close(self, hard: bool) -> None:
         self._state = "closing"
         self._hard_close |= hard
-        for held in list(self._holds):  # a hold never keeps the engine open
+        for held in self._holds.live():  # a hold never keeps the engine open
             self._release_hold(held)
         writer = self._writer
         try:
@@ -743,7 +563,7 @@ class TransferEngine:
 
         """
         self._check_open()
-        keys = self._key_list(keys)
+        keys = self._validate.key_list(keys)
         out = []
         for key in keys:
             entry = self._pool.get(key)
@@ -754,17 +574,6 @@ class TransferEngine:
             else:
                 out.append(Residency.MISS)
         return out
-
-    def _key_list(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
-        """``keys`` as a list, each checked (:meth:`_check_key`)."""
-        if isinstance(keys, OffloadKey | str | bytes) or not isinstance(keys, Iterable):
-            raise InvalidArgumentError(
-                f"keys must be an iterable of kvtier.OffloadKey, got {type(keys).__name__}"
-            )
-        keys = list(keys)
-        for key in keys:
-            self._check_key(key)
-        return keys
 
     def hold(self, keys: Iterable[OffloadKey]) -> Hold:
         """Keep keys from eviction until the returned :class:`Hold` is released (no I/O).
@@ -801,7 +610,7 @@ class TransferEngine:
 
         """
         self._check_open()
-        keys = self._key_list(keys)
+        keys = self._validate.key_list(keys)
         cpu: list[OffloadKey] = []
         rows: list[tuple[OffloadKey, Any]] = []
         residency: list[Residency] = []
@@ -820,9 +629,6 @@ class TransferEngine:
             else:
                 residency.append(Residency.MISS)
         held = Hold(self, tuple(keys), tuple(residency), cpu, rows)
-        for key, _ in rows:
-            holders = self._row_holds.setdefault(key, {})
-            holders[held._pins] = holders.get(held._pins, 0) + 1
         self._holds.add(held)
         return held
 
@@ -836,47 +642,22 @@ class TransferEngine:
         self._holds.discard(held)
         self._release_pins(held._pins)
 
-    def _release_pins(self, pins: _Pins) -> bool:
+    def _release_pins(self, pins: Pins) -> bool:
         """Unpin a hold's slots and rows once (loop thread); False if done already.
 
         Both ways a hold ends (:meth:`_release_hold`, and a garbage-collected
-        hold's scheduled :meth:`_release_dropped`) come here, so that a hold
-        that :meth:`aclose` releases while its ``__del__`` runs on another
-        thread is released once. Nothing is unpinned once the engine closed.
+        hold's scheduled :meth:`_release_dropped`) come here
+        (:meth:`HoldRegistry.release`). Nothing is unpinned once the engine closed.
         """
-        if pins.released:
+        refs = self._holds.release(pins, closed=self._state == "closed")
+        if refs is None:
             return False
-        pins.released = True
-        for key, _ in pins.rows:
-            holders = self._row_holds.get(key)
-            if holders is not None:
-                holders.pop(pins, None)
-                if not holders:
-                    del self._row_holds[key]
-        if self._state == "closed":
-            return True  # the pool and the tier are gone
-        for key in pins.cpu:
-            self._pool.unpin(key)
         if self._nvme is not None:
-            for _, ref in pins.rows:
+            for ref in refs:
                 self._nvme.release_row(ref)
         return True
 
-    def _hold_promoted(self, key: OffloadKey) -> None:
-        """``key`` was promoted into a slot (committed, loop thread): holds of its row pin the slot.
-
-        So a held key that a load or prefetch brought in from NVMe stays in
-        its CPU slot until the hold is released, as a key held in a slot does.
-        """
-        holders = self._row_holds.get(key)
-        if holders is None:  # the common case: no hold of its row
-            return
-        for pins, times in holders.items():
-            for _ in range(times):
-                self._pool.pin(key)
-                pins.cpu.append(key)
-
-    def _hold_dropped(self, pins: _Pins) -> None:
+    def _hold_dropped(self, pins: Pins) -> None:
         """A :class:`Hold` was garbage-collected unreleased: release its pins on the loop.
 
         Runs in ``Hold.__del__``, on whatever thread dropped the last
@@ -888,18 +669,10 @@ class TransferEngine:
         if loop is not None and self._state != "closed":
             loop.call_soon_threadsafe(self._release_dropped, pins)
 
-    def _release_dropped(self, pins: _Pins) -> None:
+    def _release_dropped(self, pins: Pins) -> None:
         """Release a garbage-collected hold's pins (loop thread); count it, warn the first time."""
-        if not self._release_pins(pins):
-            return  # aclose released it meanwhile
-        self._holds_dropped += 1
-        if self._holds_dropped == 1:
-            with contextlib.suppress(Exception):  # a log handler that raises changes nothing
-                log.warning(
-                    "a kvtier.Hold was garbage-collected without release(): released it; "
-                    "call release() or use it as a context manager (later ones are "
-                    "counted in stats().holds_dropped, not logged)"
-                )
+        if self._release_pins(pins):  # else aclose released it meanwhile
+            self._holds.count_dropped()
 
     def prefix_hits(self, keys: Iterable[OffloadKey]) -> int:
         """Number of leading keys that a load can serve (``CPU``, ``NVME`` or ``PENDING``).
@@ -915,94 +688,9 @@ class TransferEngine:
                 the engine's (nothing changed).
 
         """
-        return _leading(self.lookup(keys), (Residency.CPU, Residency.NVME, Residency.PENDING))
+        return leading(self.lookup(keys), (Residency.CPU, Residency.NVME, Residency.PENDING))
 
     # ------------------------------------------------------------------ validation
-    def _check_key(self, key: object) -> None:
-        """Raise unless ``key`` is an :class:`OffloadKey` of a group of the layout.
-
-        Raises:
-            InvalidArgumentError: not an OffloadKey; ``UnknownGroupError`` for
-                a group the layout does not have.
-        """
-        if not isinstance(key, OffloadKey):
-            raise InvalidArgumentError(f"expected kvtier.OffloadKey, got {type(key).__name__}")
-        self.layout.group(key.group_id)  # raises UnknownGroupError
-
-    def _validate(self, chunks: Sequence[Chunk], *, load: bool) -> list[Chunk]:
-        """Check a call's chunks; return the list that was checked (use that one).
-
-        One snapshot: a sequence that yields other items on a second pass
-        cannot slip a duplicate past the checks.
-        """
-        if isinstance(chunks, Chunk | str | bytes) or not isinstance(chunks, Sequence):
-            raise InvalidArgumentError("chunks must be a sequence of kvtier.Chunk")
-        chunks = list(chunks)
-        seen: set[OffloadKey] = set()
-        # load: {group_id: GPU blocks written by this call}
-        written: dict[int, set[int]] = {}
-        bpc = self.blocks_per_chunk
-        for chunk in chunks:
-            if not isinstance(chunk, Chunk):
-                raise InvalidArgumentError(f"expected kvtier.Chunk, got {type(chunk).__name__}")
-            key = chunk.key
-            group = self.layout.group(key.group_id)  # raises UnknownGroupError
-            if key in seen:
-                raise DuplicateKeyError(f"{key} appears twice in one call")
-            seen.add(key)
-            ids = chunk.block_ids
-            if chunk.offset + len(ids) > bpc:
-                raise ChunkRangeError(
-                    f"{key}: offset {chunk.offset} + {len(ids)} block_ids > blocks_per_chunk {bpc}"
-                )
-            if min(ids) < 0 or max(ids) >= group.num_blocks:
-                bad = next(b for b in ids if not 0 <= b < group.num_blocks)
-                raise BlockIdError(
-                    f"{key}: block_id {bad} outside [0, {group.num_blocks}) (the layout's "
-                    "num_blocks is the size of each tensor's block_dim: for vLLM's "
-                    "(2, num_blocks, ...) K/V tensors pass block_dim=1)"
-                )
-            if load:
-                pages = written.setdefault(key.group_id, set())
-                size = len(pages)
-                pages.update(ids)
-                if len(pages) != size + len(ids):
-                    b = _written_twice(chunks, key.group_id)
-                    raise BlockIdError(f"{key}: GPU block {b} is written twice by one load")
-        if load and any(self._alias_size[g] > 1 for g in written):
-            self._check_aliased_pages(
-                {(g, b) for g, pages in written.items() if self._alias_size[g] > 1 for b in pages}
-            )
-        return chunks
-
-    def _check_aliased_pages(self, pages: set[tuple[int, int]]) -> None:
-        """Raise BlockIdError when pages of groups that share storage overlap in one load.
-
-        Blocks of one group never overlap (checked at registration), so only
-        pages of different groups of one alias class are compared, exactly,
-        byte interval by byte interval (packed groups interleaved in one block
-        do not overlap; a tensor registered with different block dims may).
-        """
-        shared = [(g, b) for g, b in pages if self._alias_size[g] > 1]
-        if len({self._alias_class[g] for g, _ in shared}) == len({g for g, _ in shared}):
-            return  # at most one group per alias class in this call
-        intervals = sorted(
-            (start, end, g, b)
-            for g, b in shared
-            for layer in self.layout.group(g).layers
-            for piece in layer.pieces
-            for start, end in page_intervals(piece.view8, b)
-        )
-        reach_end, reach_page = -1, (-1, -1)
-        for start, end, g, b in intervals:
-            if start < reach_end and (g, b) != reach_page:
-                raise BlockIdError(
-                    f"one load writes overlapping GPU bytes: block {b} of group {g} and "
-                    f"block {reach_page[1]} of group {reach_page[0]} share storage"
-                )
-            if end > reach_end:
-                reach_end, reach_page = end, (g, b)
-
     # ------------------------------------------------------------------ store
     async def store(
         self, chunks: Sequence[Chunk], *, durable: bool = False, after: Any = None
@@ -1064,7 +752,7 @@ class TransferEngine:
             raise InvalidArgumentError(f"store(durable=...) must be a bool, got {durable!r}")
         if durable and self.config.nvme is None:
             raise ConfigError("store(durable=True) needs an NVMe tier (EngineConfig.nvme)")
-        chunks = self._validate(chunks, load=False)
+        chunks = self._validate.chunks(chunks, load=False)
         after = self._mark(after)
         prepared = self._prepare_store(chunks, durable, after)
         if prepared.result.done():
@@ -1349,7 +1037,7 @@ class TransferEngine:
 
         """
         self._check_open(loop=True)
-        chunks = self._validate(chunks, load=True)
+        chunks = self._validate.chunks(chunks, load=True)
         after = self._mark(after)
         not_stored: dict[OffloadKey, BaseException] = {}
         for chunk in chunks:
@@ -1438,7 +1126,7 @@ class TransferEngine:
         keys = list(keys)  # one snapshot: checked and used
         seen: set[OffloadKey] = set()
         for key in keys:
-            self._check_key(key)
+            self._validate.check_key(key)
             if key in seen:
                 raise DuplicateKeyError(f"{key} appears twice in one call")
             seen.add(key)
@@ -1655,7 +1343,7 @@ class TransferEngine:
 
         """
         self._check_open()
-        self._check_key(key)
+        self._validate.check_key(key)
         return self._stored_range(key)
 
     def _stored_range(self, key: OffloadKey) -> tuple[int, int] | None:
@@ -1818,7 +1506,7 @@ class TransferEngine:
             nvme=nvme,
             failures=dict(c.failures),
             nvme_hits=c.nvme_hits,
-            holds_dropped=self._holds_dropped,
+            holds_dropped=self._holds.dropped,
         )
 
 
