@@ -17,6 +17,7 @@ import torch
 
 from kvtier._config import EngineConfig
 from kvtier._holds import Hold, HoldRegistry, Pins, leading
+from kvtier._load_order import LoadOrder, LoadTurn
 from kvtier._policy import make_policy
 from kvtier._slots import HostRegion, SlotEntry, SlotPool, SlotState
 from kvtier._transfer import (
@@ -100,36 +101,6 @@ class _Load:
     call: _Call
     result: asyncio.Future[LoadResult]
     finished: asyncio.Future[None]
-
-
-@dataclass(eq=False)
-class _LoadTurn:
-    """A load call that waits before it submits its copies (a store in flight, a promotion).
-
-    Later load calls that write any of its GPU pages wait for ``submitted``
-    before they submit theirs, so that jobs reach the copy executor in call
-    order and the later call's bytes are the ones left (:meth:`TransferEngine.load`).
-
-    Attributes:
-        pages: ``{label: block ids}`` the call writes; a label names the
-            groups whose blocks share bytes only at the same block id
-            (:func:`kvtier._transfer.aliasing_labels`).
-        classes: alias classes of the call's groups whose blocks may share
-            bytes at other block ids (every block of such a class counts).
-        submitted: set once the call's copies were submitted, or once it
-            ended without submitting any.
-    """
-
-    pages: dict[int, set[int]]
-    classes: set[int]
-    submitted: asyncio.Future[None]
-
-    def overlaps(self, pages: dict[int, set[int]], classes: set[int]) -> bool:
-        """Whether a call writing ``pages`` and ``classes`` may write bytes this one writes."""
-        if not self.classes.isdisjoint(classes):
-            return True
-        mine = self.pages
-        return any(g in mine and not mine[g].isdisjoint(ids) for g, ids in pages.items())
 
 
 async def _uninterrupted(fut: asyncio.Future[Any]) -> None:
@@ -248,12 +219,10 @@ class TransferEngine:
                 f"{self.slot_nbytes}-byte row of the largest group (blocks_per_chunk={bpc})"
             )
         self._validate = CallValidator(layout, bpc)
-        self._alias_class = self._validate.alias_class
-        # For load turns: groups whose blocks share bytes only at the same block id
+        # Load turns: groups whose blocks share bytes only at the same block id
         # (one tensor in several groups, as vLLM's hybrid allocator shares them) get
-        # one label, and their pages compare by block id; None: the group's blocks
-        # may meet other block ids of its alias class (every block counts).
-        self._page_label = aliasing_labels(self._specs)
+        # one label, and their pages compare by block id.
+        self._load_order = LoadOrder(aliasing_labels(self._specs), self._validate.alias_class)
         self._state = "new"
         self._region: HostRegion | None = None
         self._host: dict[int, tuple[HostPiece, ...] | None] = {}
@@ -263,8 +232,6 @@ class TransferEngine:
         # A future per direction while a flush of pending calls is scheduled.
         self._flushing: dict[Direction, asyncio.Future[None] | None] = {"store": None, "load": None}
         self._ready: dict[OffloadKey, asyncio.Future[bool]] = {}
-        # Load calls that wait before they submit: later loads of their pages wait for them.
-        self._load_turns: list[_LoadTurn] = []
         self._tasks: set[asyncio.Future[Any]] = set()
         # Holds not yet released (aclose releases them).
         self._holds = HoldRegistry(self._pool)
@@ -1066,7 +1033,7 @@ class TransferEngine:
         ctx = _Ctx(woken=asyncio.get_running_loop().create_future())
         task = asyncio.ensure_future(self._load(chunks, ctx, after, turn))
         # However the task ends (even cancelled before its first step), its turn ends.
-        task.add_done_callback(lambda _: self._end_turn(turn[0]))
+        task.add_done_callback(lambda _: self._load_order.end(turn[0]))
         self._track(task)
         try:
             result = await asyncio.shield(task)
@@ -1197,49 +1164,12 @@ class TransferEngine:
         _finish_calls([call], [asyncio.CancelledError()])
         return True
 
-    def _take_turn(self, chunks: list[Chunk]) -> tuple[_LoadTurn, list[_LoadTurn]] | None:
+    def _take_turn(self, chunks: list[Chunk]) -> tuple[LoadTurn, list[LoadTurn]] | None:
         """Queue a load call behind earlier waiting loads of its GPU pages, if it must wait.
 
-        A call waits (and is registered as a :class:`_LoadTurn`) when one of
-        its keys has a store or promotion in flight or must be promoted, or
-        when an earlier load call that writes one of its GPU pages is still
-        waiting: its copies must reach the executor after that call's.
-
-        Returns:
-            ``None`` when the call can submit at once, else its turn and the
-            earlier turns it waits for.
+        See :meth:`LoadOrder.take`; ``None`` when the call can submit at once.
         """
-        must_wait = self._must_wait(chunks)
-        if not must_wait and not self._load_turns:
-            return None
-        pages, classes = self._pages_of(chunks)
-        ahead = [t for t in self._load_turns if t.overlaps(pages, classes)]
-        if not ahead and not must_wait:
-            return None
-        turn = _LoadTurn(pages, classes, asyncio.get_running_loop().create_future())
-        self._load_turns.append(turn)
-        return turn, ahead
-
-    def _pages_of(self, chunks: list[Chunk]) -> tuple[dict[int, set[int]], set[int]]:
-        """The GPU pages ``chunks`` write: ``({label: block ids}, alias classes)``."""
-        pages: dict[int, set[int]] = {}
-        classes: set[int] = set()
-        for chunk in chunks:
-            g = chunk.key.group_id
-            label = self._page_label[g]
-            if label is None:
-                classes.add(self._alias_class[g])
-            elif label in pages:
-                pages[label].update(chunk.block_ids)
-            else:
-                pages[label] = set(chunk.block_ids)
-        return pages, classes
-
-    def _end_turn(self, turn: _LoadTurn) -> None:
-        """The call submitted its copies (or never will): later loads may submit theirs."""
-        if not turn.submitted.done():
-            self._load_turns.remove(turn)
-            turn.submitted.set_result(None)
+        return self._load_order.take(chunks, self._must_wait(chunks))
 
     def _must_wait(self, chunks: list[Chunk]) -> bool:
         """A key of ``chunks`` has a store or promotion in flight, or must be promoted."""
@@ -1366,7 +1296,7 @@ class TransferEngine:
         chunks: list[Chunk],
         ctx: _Ctx,
         after: Any,
-        turn: tuple[_LoadTurn, list[_LoadTurn]],
+        turn: tuple[LoadTurn, list[LoadTurn]],
     ) -> LoadResult:
         # Wait for stores / promotions in flight on these keys, again when
         # another call started one while we waited (else the key would read
@@ -1407,7 +1337,7 @@ class TransferEngine:
         # call wins. Its keys stay pinned meanwhile: a key resident at the call is
         # loaded (the earlier call's promotion cannot evict it). A cancelled caller
         # stops waiting (it will copy nothing).
-        pages, classes = self._pages_of(pinned)
+        pages, classes = self._load_order.pages_of(pinned)
         ahead = [t.submitted for t in turn[1] if t.overlaps(pages, classes)]
         while not ctx.cancelled and (ahead := [f for f in ahead if not f.done()]):
             assert ctx.woken is not None
@@ -1418,7 +1348,7 @@ class TransferEngine:
                 failed[chunk.key] = asyncio.CancelledError()
             return LoadResult((), failed)
         pending = self._submit_load(pinned, failed, after)
-        self._end_turn(turn[0])
+        self._load_order.end(turn[0])
         await pending.finished
         return pending.result.result()
 
