@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
@@ -19,7 +19,8 @@ from kvtier._config import EngineConfig
 from kvtier._holds import Hold, HoldRegistry, Pins, leading
 from kvtier._load_order import LoadOrder, LoadTurn
 from kvtier._policy import make_policy
-from kvtier._slots import HostRegion, SlotEntry, SlotPool, SlotState
+from kvtier._slots import HostRegion, SlotEntry, SlotPool
+from kvtier._stats import Counters, engine_stats
 from kvtier._transfer import (
     ChunkCopy,
     CopyExecutor,
@@ -128,22 +129,6 @@ class _Ctx:
             self.woken.set_result(None)
 
 
-@dataclass
-class _Counters:
-    hits: int = 0
-    nvme_hits: int = 0
-    misses: int = 0
-    rejected: int = 0
-    load_failures: int = 0
-    store_bytes: int = 0
-    store_seconds: float = 0.0
-    load_bytes: int = 0
-    load_seconds: float = 0.0
-    store_jobs: int = 0
-    load_jobs: int = 0
-    failures: dict[str, int] = field(default_factory=dict)
-
-
 def _finish_calls(calls: Sequence[_Call], errors: Sequence[BaseException | None]) -> None:
     """Run every call's ``done`` (one failing does not skip the others)."""
     for call, error in zip(calls, errors, strict=True):
@@ -244,7 +229,7 @@ class TransferEngine:
         self._thread: int | None = None
         self._close_requested = False
         self._hard_close = False  # the close drops rows not yet written (aclose(hard=True))
-        self._c = _Counters()
+        self._c = Counters()
         self._nvme: Any = None
         self._nvme_final: dict[str, Any] | None = None  # the tier's last counters once closed
         self._writer: Any = None
@@ -885,7 +870,7 @@ class TransferEngine:
         def copied(error: BaseException | None) -> None:
             isolating = False
             try:
-                self._count_job(direction, plan, time.perf_counter() - t0, error)
+                self._c.count_job(direction, plan, time.perf_counter() - t0, error)
                 if error is not None and len(calls) > 1:
                     # A failed job must fail only the calls whose own copies
                     # fail: copy each call again on its own (copies are idempotent).
@@ -910,28 +895,9 @@ class TransferEngine:
             log.exception("kvtier: starting a %s job failed", direction)
             err = TransferError(f"{direction} job of {len(plan)} chunks could not start: {exc}")
             err.__cause__ = exc
-            self._count_job(direction, plan, 0.0, err)
+            self._c.count_job(direction, plan, 0.0, err)
             _finish_calls(calls, [err] * len(calls))
             tracker.set_result(None)
-
-    def _count_job(
-        self,
-        direction: Direction,
-        plan: list[ChunkCopy],
-        seconds: float,
-        error: BaseException | None,
-    ) -> None:
-        nbytes = sum(c.nbytes for c in plan)
-        if error is not None:
-            self._c.failures["transfer"] = self._c.failures.get("transfer", 0) + 1
-        if direction == "store":
-            self._c.store_jobs += 1
-            self._c.store_bytes += nbytes
-            self._c.store_seconds += seconds
-        else:
-            self._c.load_jobs += 1
-            self._c.load_bytes += nbytes
-            self._c.load_seconds += seconds
 
     async def _isolate(self, direction: Direction, calls: list[_Call], direct: bool) -> None:
         """Copy each call of a failed job again on its own, in call order.
@@ -1392,50 +1358,17 @@ class TransferEngine:
         they add up to ``num_slots`` also when another thread (a metrics
         scrape) reads them while the engine's loop runs.
         """
-        pool = self._pool
-        per_group: dict[int, int] = {}
-        payload = 0
-        states = dict.fromkeys(SlotState, 0)
-        for e in list(pool.entries()):  # one snapshot: a scrape thread may read mid-change
-            state = e.state
-            states[state] += 1
-            payload += e.payload_nbytes
-            if state is not SlotState.WRITING:
-                g = e.key.group_id
-                per_group[g] = per_group.get(g, 0) + 1
-        occupied = sum(states.values())
-        c = self._c
         nvme: dict[str, Any] | None
         if self._nvme is not None:
             nvme = self._nvme_stats()
         else:  # closed: the tier's last counters (None without an NVMe tier)
             nvme = dict(self._nvme_final) if self._nvme_final is not None else None
-        return EngineStats(
-            num_slots=self.num_slots,
+        return engine_stats(
+            self._pool,
+            self._c,
             slot_nbytes=self.slot_nbytes,
-            slots_free=self.num_slots - occupied,
-            slots_writing=states[SlotState.WRITING],
-            slots_resident=states[SlotState.RESIDENT],
-            slots_pinned=states[SlotState.PINNED],
-            keys_per_group=dict(sorted(per_group.items())),
-            payload_nbytes=payload,
-            reserved_nbytes=occupied * self.slot_nbytes,
-            slot_waste_nbytes=occupied * self.slot_nbytes - payload,
-            hits=c.hits,
-            misses=c.misses,
-            evictions=pool.evictions,
-            rejected=c.rejected,
-            store_bytes=c.store_bytes,
-            store_seconds=c.store_seconds,
-            load_bytes=c.load_bytes,
-            load_seconds=c.load_seconds,
-            store_jobs=c.store_jobs,
-            load_jobs=c.load_jobs,
-            load_failures=c.load_failures,
             pinned_memory=bool(self._region and self._region.pinned),
             nvme=nvme,
-            failures=dict(c.failures),
-            nvme_hits=c.nvme_hits,
             holds_dropped=self._holds.dropped,
         )
 
