@@ -7,8 +7,7 @@ import contextlib
 import functools
 import logging
 import threading
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
@@ -17,6 +16,7 @@ import torch
 
 from kvtier._config import EngineConfig
 from kvtier._holds import Hold, HoldRegistry, Pins, leading
+from kvtier._jobs import Call, JobQueue, track
 from kvtier._load_order import LoadOrder, LoadTurn
 from kvtier._policy import make_policy
 from kvtier._slots import HostRegion, SlotEntry, SlotPool
@@ -48,7 +48,6 @@ from kvtier.errors import (
     InvalidArgumentError,
     KeyNotResidentError,
     NotStoredError,
-    TransferError,
     WrongThreadError,
 )
 from kvtier.layout import KVLayout
@@ -57,19 +56,6 @@ log = logging.getLogger("kvtier")
 
 # A load waits at most this many times for operations in flight on its keys.
 _MAX_WAIT_ROUNDS = 8
-
-
-@dataclass(eq=False)  # compared by identity (its copies hold tensors)
-class _Call:
-    """One store/load call's share of a job.
-
-    ``done(error)`` runs on the event loop once the call's copies have ended
-    (``error`` is None or the :class:`TransferError`); it must not raise.
-    """
-
-    copies: list[ChunkCopy]
-    done: Callable[[BaseException | None], None]
-    after: Any = None  # CUDA: the torch.cuda.Event the copies wait for (see _mark)
 
 
 @dataclass
@@ -99,7 +85,7 @@ class _Load:
     is set once the copy has ended, whatever happened.
     """
 
-    call: _Call
+    call: Call
     result: asyncio.Future[LoadResult]
     finished: asyncio.Future[None]
 
@@ -127,15 +113,6 @@ class _Ctx:
         self.cancelled = True
         if self.woken is not None and not self.woken.done():
             self.woken.set_result(None)
-
-
-def _finish_calls(calls: Sequence[_Call], errors: Sequence[BaseException | None]) -> None:
-    """Run every call's ``done`` (one failing does not skip the others)."""
-    for call, error in zip(calls, errors, strict=True):
-        try:
-            call.done(error)
-        except Exception:
-            log.exception("kvtier: finishing a call failed")
 
 
 def _on_no_medium(key: OffloadKey) -> KeyNotResidentError:
@@ -213,9 +190,6 @@ class TransferEngine:
         self._host: dict[int, tuple[HostPiece, ...] | None] = {}
         self._pool = SlotPool(self.num_slots, make_policy(config.eviction, self.num_slots))
         self._executors: dict[Direction, CopyExecutor] = {}
-        self._pending: dict[Direction, list[_Call]] = {"store": [], "load": []}
-        # A future per direction while a flush of pending calls is scheduled.
-        self._flushing: dict[Direction, asyncio.Future[None] | None] = {"store": None, "load": None}
         self._ready: dict[OffloadKey, asyncio.Future[bool]] = {}
         self._tasks: set[asyncio.Future[Any]] = set()
         # Holds not yet released (aclose releases them).
@@ -230,6 +204,7 @@ class TransferEngine:
         self._close_requested = False
         self._hard_close = False  # the close drops rows not yet written (aclose(hard=True))
         self._c = Counters()
+        self._jobs = JobQueue(self._c, config.max_batch_chunks, self._executors, self._tasks)
         self._nvme: Any = None
         self._nvme_final: dict[str, Any] | None = None  # the tier's last counters once closed
         self._writer: Any = None
@@ -282,10 +257,12 @@ class TransferEngine:
                         await asyncio.shield(prefault)
                 raise
             self._stop_if_closing()
-            self._executors = {
-                d: CopyExecutor(self.layout.device, d, self.config.copy_threads)
-                for d in ("store", "load")
-            }
+            self._executors.update(
+                {
+                    d: CopyExecutor(self.layout.device, d, self.config.copy_threads)
+                    for d in ("store", "load")
+                }
+            )
             if self.config.nvme is not None:
                 from kvtier._writeback import NVMeWriter, open_tier
 
@@ -408,7 +385,7 @@ class TransferEngine:
                 self._writer.detach()
             for ex in self._executors.values():
                 ex.close()
-            self._executors = {}
+            self._executors.clear()
             self._host = {}  # views of the region: drop them before unmapping it
             if self._region is not None:
                 self._region.close()
@@ -419,17 +396,6 @@ class TransferEngine:
         if self._writer is not None:
             nvme.update(self._writer.stats())
         return nvme
-
-    def _task_done(self, task: asyncio.Future[Any]) -> None:
-        """Forget a finished internal task and retrieve its outcome.
-
-        A caller cancelled while the task ran no longer awaits it (the shield
-        dropped its callback); retrieving the exception here keeps asyncio
-        from logging "Task exception was never retrieved".
-        """
-        self._tasks.discard(task)
-        if not task.cancelled():
-            task.exception()
 
     def _mark(self, after: Any) -> Any:
         """The CUDA event a call's copies wait for: ``after``, or one recorded now.
@@ -760,7 +726,7 @@ class TransferEngine:
         if entries:
             copies = [self._copy(by_key[e.key], e.slot) for e in entries]
             done = functools.partial(self._store_copied, prepared)
-            self._submit("store", _Call(copies, done, after))
+            self._jobs.submit("store", Call(copies, done, after))
         else:
             self._store_copied(prepared, None)
         return prepared
@@ -806,8 +772,7 @@ class TransferEngine:
 
     def _track(self, fut: asyncio.Future[Any]) -> None:
         """Make :meth:`aclose` wait for ``fut`` (a task or a job in flight)."""
-        self._tasks.add(fut)
-        fut.add_done_callback(self._task_done)
+        track(self._tasks, fut)
 
     def _copy(self, chunk: Chunk, slot: int) -> ChunkCopy:
         assert self._region is not None
@@ -822,98 +787,6 @@ class TransferEngine:
             self._host[g],
             slot,
         )
-
-    # ------------------------------------------------------------------ jobs
-    def _submit(self, direction: Direction, call: _Call) -> None:
-        self._pending[direction].append(call)
-        if self._flushing[direction] is None:
-            loop = asyncio.get_running_loop()
-            self._flushing[direction] = tracker = loop.create_future()
-            self._track(tracker)  # aclose waits until the jobs exist (and are tracked)
-            loop.call_soon(self._flush_pending, direction)
-
-    def _flush_pending(self, direction: Direction) -> None:
-        tracker, self._flushing[direction] = self._flushing[direction], None
-        calls, self._pending[direction] = self._pending[direction], []
-        try:
-            job: list[_Call] = []
-            size = 0
-            for call in calls:
-                if job and size + len(call.copies) > self.config.max_batch_chunks:
-                    self._start_job(direction, job)
-                    job, size = [], 0
-                job.append(call)
-                size += len(call.copies)
-            if job:
-                self._start_job(direction, job)
-        finally:
-            if tracker is not None:
-                tracker.set_result(None)
-
-    def _start_job(self, direction: Direction, calls: list[_Call]) -> None:
-        """Hand one job to the direction's executor; its end comes back as one callback."""
-        plan = [c for call in calls for c in call.copies]
-        tracker: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._track(tracker)
-        t0 = time.perf_counter()
-        executor = self._executors[direction]
-        # A failed load job of several calls is copied again call by call BEFORE the
-        # load jobs after it (the executor holds them until release()): a later call
-        # into the same blocks then still wins.
-        hold = direction == "load" and len(calls) > 1
-
-        def isolated(_: asyncio.Future[None]) -> None:
-            if hold:
-                executor.release()
-            tracker.set_result(None)
-
-        def copied(error: BaseException | None) -> None:
-            isolating = False
-            try:
-                self._c.count_job(direction, plan, time.perf_counter() - t0, error)
-                if error is not None and len(calls) > 1:
-                    # A failed job must fail only the calls whose own copies
-                    # fail: copy each call again on its own (copies are idempotent).
-                    task = asyncio.ensure_future(self._isolate(direction, calls, hold))
-                    task.add_done_callback(isolated)
-                    self._track(task)
-                    isolating = True
-                    return
-                _finish_calls(calls, [error] * len(calls))
-            except Exception:
-                log.exception("kvtier: finishing a %s job failed", direction)
-            finally:
-                if not isolating:
-                    if hold and error is not None:
-                        executor.release()
-                    tracker.set_result(None)
-
-        after = [c.after for c in calls if c.after is not None]
-        try:
-            executor.submit(plan, copied, after, hold_on_error=hold)
-        except Exception as exc:  # a bug: fail the calls rather than leave them waiting
-            log.exception("kvtier: starting a %s job failed", direction)
-            err = TransferError(f"{direction} job of {len(plan)} chunks could not start: {exc}")
-            err.__cause__ = exc
-            self._c.count_job(direction, plan, 0.0, err)
-            _finish_calls(calls, [err] * len(calls))
-            tracker.set_result(None)
-
-    async def _isolate(self, direction: Direction, calls: list[_Call], direct: bool) -> None:
-        """Copy each call of a failed job again on its own, in call order.
-
-        ``direct``: the executor holds the jobs after the failed one; these
-        copies go past them.
-        """
-        errors: list[BaseException | None] = []
-        for call in calls:
-            try:
-                after = () if call.after is None else (call.after,)
-                await self._executors[direction].run(call.copies, after, direct=direct)
-                errors.append(None)
-            except TransferError as exc:
-                errors.append(exc)
-        _finish_calls(calls, errors)
 
     # ------------------------------------------------------------------ load
     async def load(self, chunks: Sequence[Chunk], *, after: Any = None) -> LoadResult:
@@ -993,7 +866,7 @@ class TransferEngine:
             try:
                 return await pending.result
             except asyncio.CancelledError:
-                if not self._withdraw("load", pending.call):
+                if not self._jobs.withdraw("load", pending.call):
                     await _uninterrupted(pending.finished)
                 raise
         ctx = _Ctx(woken=asyncio.get_running_loop().create_future())
@@ -1121,15 +994,6 @@ class TransferEngine:
             if key in resident:
                 self._pool.refresh(key)
 
-    def _withdraw(self, direction: Direction, call: _Call) -> bool:
-        """Take a call out of the pending (not yet started) jobs and finish it as cancelled."""
-        pending = self._pending[direction]
-        if call not in pending:
-            return False
-        pending.remove(call)
-        _finish_calls([call], [asyncio.CancelledError()])
-        return True
-
     def _take_turn(self, chunks: list[Chunk]) -> tuple[LoadTurn, list[LoadTurn]] | None:
         """Queue a load call behind earlier waiting loads of its GPU pages, if it must wait.
 
@@ -1213,8 +1077,8 @@ class TransferEngine:
                 result.set_result(LoadResult(tuple(loaded), failed))
             finished.set_result(None)
 
-        call = _Call(copies, copied, after)
-        self._submit("load", call)
+        call = Call(copies, copied, after)
+        self._jobs.submit("load", call)
         return _Load(call, result, finished)
 
     def stored_range(self, key: OffloadKey) -> tuple[int, int] | None:
