@@ -5,7 +5,8 @@ Public names are re-exported here once; see DESIGN.md section 6.
 
 from kvtier._background import BackgroundEngine
 from kvtier._config import EngineConfig, NVMeConfig
-from kvtier._engine import Hold, TransferEngine
+from kvtier._engine import TransferEngine
+from kvtier._holds import Hold
 from kvtier._policy import ARCPolicy, EvictionPolicy, LRUPolicy
 from kvtier._types import (
     Chunk,

@@ -13,7 +13,8 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from kvtier._config import EngineConfig
-from kvtier._engine import Hold, TransferEngine, _record_event
+from kvtier._engine import TransferEngine, _record_event
+from kvtier._holds import Hold
 from kvtier._types import (
     Chunk,
     EngineStats,

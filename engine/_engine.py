@@ -5,21 +5,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
 import logging
 import threading
-import time
-import weakref
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
 import torch
 
 from kvtier._config import EngineConfig
+from kvtier._holds import Hold, HoldRegistry, Pins, leading
+from kvtier._jobs import Call, JobQueue, track
+from kvtier._load_order import LoadOrder, LoadTurn
 from kvtier._policy import make_policy
-from kvtier._slots import HostRegion, SlotEntry, SlotPool, SlotState
+from kvtier._slots import HostRegion, SlotEntry, SlotPool
+from kvtier._stats import Counters, engine_stats
 from kvtier._transfer import (
     ChunkCopy,
     CopyExecutor,
@@ -38,38 +39,23 @@ from kvtier._types import (
     Residency,
     StoreResult,
 )
+from kvtier._validation import CallValidator
 from kvtier.errors import (
-    BlockIdError,
     BudgetError,
-    ChunkRangeError,
     ConfigError,
     DuplicateKeyError,
     EngineClosedError,
     InvalidArgumentError,
     KeyNotResidentError,
     NotStoredError,
-    TransferError,
     WrongThreadError,
 )
-from kvtier.layout import KVLayout, byte_extent, page_intervals
+from kvtier.layout import KVLayout
 
 log = logging.getLogger("kvtier")
 
 # A load waits at most this many times for operations in flight on its keys.
 _MAX_WAIT_ROUNDS = 8
-
-
-@dataclass(eq=False)  # compared by identity (its copies hold tensors)
-class _Call:
-    """One store/load call's share of a job.
-
-    ``done(error)`` runs on the event loop once the call's copies have ended
-    (``error`` is None or the :class:`TransferError`); it must not raise.
-    """
-
-    copies: list[ChunkCopy]
-    done: Callable[[BaseException | None], None]
-    after: Any = None  # CUDA: the torch.cuda.Event the copies wait for (see _mark)
 
 
 @dataclass
@@ -99,39 +85,9 @@ class _Load:
     is set once the copy has ended, whatever happened.
     """
 
-    call: _Call
+    call: Call
     result: asyncio.Future[LoadResult]
     finished: asyncio.Future[None]
-
-
-@dataclass(eq=False)
-class _LoadTurn:
-    """A load call that waits before it submits its copies (a store in flight, a promotion).
-
-    Later load calls that write any of its GPU pages wait for ``submitted``
-    before they submit theirs, so that jobs reach the copy executor in call
-    order and the later call's bytes are the ones left (:meth:`TransferEngine.load`).
-
-    Attributes:
-        pages: ``{label: block ids}`` the call writes; a label names the
-            groups whose blocks share bytes only at the same block id
-            (:func:`kvtier._transfer.aliasing_labels`).
-        classes: alias classes of the call's groups whose blocks may share
-            bytes at other block ids (every block of such a class counts).
-        submitted: set once the call's copies were submitted, or once it
-            ended without submitting any.
-    """
-
-    pages: dict[int, set[int]]
-    classes: set[int]
-    submitted: asyncio.Future[None]
-
-    def overlaps(self, pages: dict[int, set[int]], classes: set[int]) -> bool:
-        """Whether a call writing ``pages`` and ``classes`` may write bytes this one writes."""
-        if not self.classes.isdisjoint(classes):
-            return True
-        mine = self.pages
-        return any(g in mine and not mine[g].isdisjoint(ids) for g, ids in pages.items())
 
 
 async def _uninterrupted(fut: asyncio.Future[Any]) -> None:
@@ -159,31 +115,6 @@ class _Ctx:
             self.woken.set_result(None)
 
 
-@dataclass
-class _Counters:
-    hits: int = 0
-    nvme_hits: int = 0
-    misses: int = 0
-    rejected: int = 0
-    load_failures: int = 0
-    store_bytes: int = 0
-    store_seconds: float = 0.0
-    load_bytes: int = 0
-    load_seconds: float = 0.0
-    store_jobs: int = 0
-    load_jobs: int = 0
-    failures: dict[str, int] = field(default_factory=dict)
-
-
-def _finish_calls(calls: Sequence[_Call], errors: Sequence[BaseException | None]) -> None:
-    """Run every call's ``done`` (one failing does not skip the others)."""
-    for call, error in zip(calls, errors, strict=True):
-        try:
-            call.done(error)
-        except Exception:
-            log.exception("kvtier: finishing a call failed")
-
-
 def _on_no_medium(key: OffloadKey) -> KeyNotResidentError:
     return KeyNotResidentError(f"{key} is on no medium (evicted or never stored)")
 
@@ -196,143 +127,6 @@ def _not_stored(chunk: Chunk, stored: tuple[int, int]) -> NotStoredError | None:
         f"{chunk.key}: sub-blocks [{chunk.offset}, {chunk.stop}) requested, "
         f"[{stored[0]}, {stored[1]}) stored"
     )
-
-
-def _written_twice(chunks: Sequence[Chunk], group_id: int) -> int:
-    """The first GPU block of ``group_id`` that two sub-blocks of ``chunks`` write."""
-    seen: set[int] = set()
-    for chunk in chunks:
-        if chunk.key.group_id == group_id:
-            for b in chunk.block_ids:
-                if b in seen:
-                    return b
-                seen.add(b)
-    raise AssertionError("no block is written twice")  # pragma: no cover
-
-
-def _leading(residency: Iterable[Residency], counted: tuple[Residency, ...]) -> int:
-    """How many leading entries of ``residency`` are in ``counted`` (a prefix hit count)."""
-    return sum(1 for _ in itertools.takewhile(lambda r: r in counted, residency))
-
-
-class Hold:
-    """Keys that :meth:`TransferEngine.hold` keeps from eviction until :meth:`release`.
-
-    A key in a CPU slot is pinned there (``EngineStats.slots_pinned`` counts
-    it) and a key only on NVMe has its row pinned: neither is evicted, nor
-    its slot or row reused, until the hold is released. A held NVMe-only key
-    keeps its row, not a CPU slot: its load still needs a free or evictable
-    slot to promote it into; once a load or prefetch has promoted it, the
-    hold pins that slot too (until the release). A context manager: ``with engine.hold(keys) as
-    held: ...`` releases on exit. A hold that is garbage-collected before
-    its release (the last reference dropped, e.g. by a request aborted
-    between its admission and its load) is released then, on the engine's
-    loop: a forgotten hold does not pin its keys for the rest of the
-    engine's life (``EngineStats.holds_dropped`` counts them; the engine's
-    first is logged as a warning). The release runs at the loop's next
-    iteration (``release()`` at once); a hold in a reference cycle waits for
-    the cyclic collector. A hold cannot be copied or pickled (a copy would
-    release the same pins).
-
-    Attributes:
-        keys: the keys asked for, in call order.
-        residency: where each key was at the call: ``CPU`` and ``NVME`` keys
-            are held; ``PENDING`` ones (a store or promotion in flight) and
-            ``MISS`` ones are not.
-    """
-
-    __slots__ = ("__weakref__", "_engine", "_pins", "_release_fn", "keys", "residency")
-
-    def __init__(
-        self,
-        engine: TransferEngine,
-        keys: tuple[OffloadKey, ...],
-        residency: tuple[Residency, ...],
-        cpu: list[OffloadKey],
-        rows: list[tuple[OffloadKey, Any]],
-    ) -> None:
-        self._engine: TransferEngine | None = engine
-        self._pins = _Pins(cpu, rows)
-        self.keys = keys
-        self.residency = residency
-        # BackgroundEngine routes the release to its engine thread.
-        self._release_fn: Callable[[Hold], None] = engine._release_hold
-
-    @property
-    def prefix_hits(self) -> int:
-        """Leading keys this hold holds (``CPU`` or ``NVME``).
-
-        Unlike :meth:`TransferEngine.prefix_hits` it stops at a ``PENDING``
-        key too: a key whose store is in flight is not held, and may be
-        evicted before the load.
-        """
-        return _leading(self.residency, (Residency.CPU, Residency.NVME))
-
-    @property
-    def released(self) -> bool:
-        """Whether :meth:`release` ran (or the engine closed)."""
-        return self._engine is None
-
-    def release(self) -> None:
-        """Let the held keys be evicted again. Idempotent; nothing to do after the engine closed.
-
-        Raises:
-            WrongThreadError: called from another thread than the engine's
-                (nothing released). A :class:`BackgroundEngine`'s hold may be
-                released from any thread.
-        """
-        if self._engine is not None:
-            self._release_fn(self)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.release()
-
-    def __repr__(self) -> str:
-        state = "released" if self.released else "held"
-        return f"<kvtier.Hold of {len(self.keys)} keys, {state}>"
-
-    def __copy__(self) -> Hold:
-        raise TypeError("a kvtier.Hold cannot be copied: each hold is released once")
-
-    def __deepcopy__(self, memo: object) -> Hold:
-        raise TypeError("a kvtier.Hold cannot be copied: each hold is released once")
-
-    def __reduce__(self) -> Any:
-        raise TypeError("a kvtier.Hold cannot be pickled: its pins live in one engine")
-
-    def __del__(self) -> None:
-        # Dropped unreleased: the engine releases its pins on its loop. No
-        # module globals here: at interpreter shutdown they may be None already.
-        engine = self._engine
-        if engine is not None:
-            try:  # noqa: SIM105 - contextlib may be None at interpreter shutdown
-                engine._hold_dropped(self._pins)
-            except Exception:  # a closed loop; interpreter shutdown
-                pass
-
-
-class _Pins:
-    """What one :class:`Hold` pinned, released once (on the engine's loop thread).
-
-    ``cpu``: keys whose slots it pinned (at the call, and NVMe-only keys
-    promoted since: :meth:`TransferEngine._hold_promoted`); ``rows``: ``(key,
-    row ref)`` of the NVMe rows it pinned.
-    """
-
-    __slots__ = ("cpu", "released", "rows")
-
-    def __init__(self, cpu: list[OffloadKey], rows: list[tuple[OffloadKey, Any]]) -> None:
-        self.cpu = cpu
-        self.rows = rows
-        self.released = False
 
 
 class TransferEngine:
@@ -386,36 +180,20 @@ class TransferEngine:
                 f"NVMeConfig.capacity_bytes={config.nvme.capacity_bytes} cannot hold one "
                 f"{self.slot_nbytes}-byte row of the largest group (blocks_per_chunk={bpc})"
             )
-        self._alias_class = self._alias_classes(layout)
-        self._alias_size = {
-            g: sum(1 for c in self._alias_class.values() if c == cls)
-            for g, cls in self._alias_class.items()
-        }
-        # For load turns: groups whose blocks share bytes only at the same block id
+        self._validate = CallValidator(layout, bpc)
+        # Load turns: groups whose blocks share bytes only at the same block id
         # (one tensor in several groups, as vLLM's hybrid allocator shares them) get
-        # one label, and their pages compare by block id; None: the group's blocks
-        # may meet other block ids of its alias class (every block counts).
-        self._page_label = aliasing_labels(self._specs)
+        # one label, and their pages compare by block id.
+        self._load_order = LoadOrder(aliasing_labels(self._specs), self._validate.alias_class)
         self._state = "new"
         self._region: HostRegion | None = None
         self._host: dict[int, tuple[HostPiece, ...] | None] = {}
         self._pool = SlotPool(self.num_slots, make_policy(config.eviction, self.num_slots))
         self._executors: dict[Direction, CopyExecutor] = {}
-        self._pending: dict[Direction, list[_Call]] = {"store": [], "load": []}
-        # A future per direction while a flush of pending calls is scheduled.
-        self._flushing: dict[Direction, asyncio.Future[None] | None] = {"store": None, "load": None}
         self._ready: dict[OffloadKey, asyncio.Future[bool]] = {}
-        # Load calls that wait before they submit: later loads of their pages wait for them.
-        self._load_turns: list[_LoadTurn] = []
         self._tasks: set[asyncio.Future[Any]] = set()
-        # Holds not yet released (aclose releases them). Weak: a dropped hold
-        # is garbage-collected, and its __del__ has the engine release its pins.
-        self._holds: weakref.WeakSet[Hold] = weakref.WeakSet()
-        self._holds_dropped = 0  # holds garbage-collected unreleased (then released)
-        # NVMe-only keys held by their rows -> {hold: times it lists the key}: a
-        # promotion pins the new slot too. A dict, so ending one of many holds
-        # of a shared prefix key costs O(1), not a scan of the others.
-        self._row_holds: dict[OffloadKey, dict[_Pins, int]] = {}
+        # Holds not yet released (aclose releases them).
+        self._holds = HoldRegistry(self._pool)
         self._close_task: asyncio.Task[None] | None = None
         # While start() runs: its end (set once it returned or raised), and
         # whether aclose() asked it to stop at its next step.
@@ -425,42 +203,11 @@ class TransferEngine:
         self._thread: int | None = None
         self._close_requested = False
         self._hard_close = False  # the close drops rows not yet written (aclose(hard=True))
-        self._c = _Counters()
+        self._c = Counters()
+        self._jobs = JobQueue(self._c, config.max_batch_chunks, self._executors, self._tasks)
         self._nvme: Any = None
         self._nvme_final: dict[str, Any] | None = None  # the tier's last counters once closed
         self._writer: Any = None
-
-    @staticmethod
-    def _alias_classes(layout: KVLayout) -> dict[int, int]:
-        """Map each group to the smallest group id whose tensors' memory may overlap its own.
-
-        By address extents per device, not by storage object: two storages
-        may map the same memory (``torch.frombuffer``, DLPack, CUDA IPC).
-        Groups whose extents touch nothing of another group's never alias
-        (their loads skip the page check).
-        """
-        spans = sorted(  # (device, first byte, end, group) of every piece
-            (str(p.view.device), *byte_extent(p.view), g)
-            for g in layout.group_ids
-            for lay in layout.group(g).layers
-            for p in lay.pieces
-        )
-        cls = {g: g for g in layout.group_ids}
-
-        def root(g: int) -> int:
-            while cls[g] != g:
-                g = cls[g]
-            return g
-
-        reach, head, device = -1, -1, ""
-        for dev, start, end, g in spans:  # a run of overlapping extents is one class
-            if dev == device and start < reach:
-                a, b = root(head), root(g)
-                cls[max(a, b)] = min(a, b)
-                reach = max(reach, end)
-            else:
-                device, reach, head = dev, end, g
-        return {g: root(g) for g in layout.group_ids}
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> Self:
@@ -510,15 +257,17 @@ class TransferEngine:
                         await asyncio.shield(prefault)
                 raise
             self._stop_if_closing()
-            self._executors = {
-                d: CopyExecutor(self.layout.device, d, self.config.copy_threads)
-                for d in ("store", "load")
-            }
+            self._executors.update(
+                {
+                    d: CopyExecutor(self.layout.device, d, self.config.copy_threads)
+                    for d in ("store", "load")
+                }
+            )
             if self.config.nvme is not None:
                 from kvtier._writeback import NVMeWriter, open_tier
 
                 self._nvme = await open_tier(self)
-                self._writer = NVMeWriter(self, self._nvme)
+                self._writer = NVMeWriter(self, self._nvme, on_promoted=self._holds.promoted)
                 self._stop_if_closing()
         except BaseException:
             self._state = "closed"
@@ -604,7 +353,7 @@ class TransferEngine:
     async def _close(self, hard: bool) -> None:
         self._state = "closing"
         self._hard_close |= hard
-        for held in list(self._holds):  # a hold never keeps the engine open
+        for held in self._holds.live():  # a hold never keeps the engine open
             self._release_hold(held)
         writer = self._writer
         try:
@@ -636,7 +385,7 @@ class TransferEngine:
                 self._writer.detach()
             for ex in self._executors.values():
                 ex.close()
-            self._executors = {}
+            self._executors.clear()
             self._host = {}  # views of the region: drop them before unmapping it
             if self._region is not None:
                 self._region.close()
@@ -647,17 +396,6 @@ class TransferEngine:
         if self._writer is not None:
             nvme.update(self._writer.stats())
         return nvme
-
-    def _task_done(self, task: asyncio.Future[Any]) -> None:
-        """Forget a finished internal task and retrieve its outcome.
-
-        A caller cancelled while the task ran no longer awaits it (the shield
-        dropped its callback); retrieving the exception here keeps asyncio
-        from logging "Task exception was never retrieved".
-        """
-        self._tasks.discard(task)
-        if not task.cancelled():
-            task.exception()
 
     def _mark(self, after: Any) -> Any:
         """The CUDA event a call's copies wait for: ``after``, or one recorded now.
@@ -743,7 +481,7 @@ class TransferEngine:
 
         """
         self._check_open()
-        keys = self._key_list(keys)
+        keys = self._validate.key_list(keys)
         out = []
         for key in keys:
             entry = self._pool.get(key)
@@ -754,17 +492,6 @@ class TransferEngine:
             else:
                 out.append(Residency.MISS)
         return out
-
-    def _key_list(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
-        """``keys`` as a list, each checked (:meth:`_check_key`)."""
-        if isinstance(keys, OffloadKey | str | bytes) or not isinstance(keys, Iterable):
-            raise InvalidArgumentError(
-                f"keys must be an iterable of kvtier.OffloadKey, got {type(keys).__name__}"
-            )
-        keys = list(keys)
-        for key in keys:
-            self._check_key(key)
-        return keys
 
     def hold(self, keys: Iterable[OffloadKey]) -> Hold:
         """Keep keys from eviction until the returned :class:`Hold` is released (no I/O).
@@ -801,7 +528,7 @@ class TransferEngine:
 
         """
         self._check_open()
-        keys = self._key_list(keys)
+        keys = self._validate.key_list(keys)
         cpu: list[OffloadKey] = []
         rows: list[tuple[OffloadKey, Any]] = []
         residency: list[Residency] = []
@@ -820,9 +547,6 @@ class TransferEngine:
             else:
                 residency.append(Residency.MISS)
         held = Hold(self, tuple(keys), tuple(residency), cpu, rows)
-        for key, _ in rows:
-            holders = self._row_holds.setdefault(key, {})
-            holders[held._pins] = holders.get(held._pins, 0) + 1
         self._holds.add(held)
         return held
 
@@ -836,47 +560,22 @@ class TransferEngine:
         self._holds.discard(held)
         self._release_pins(held._pins)
 
-    def _release_pins(self, pins: _Pins) -> bool:
+    def _release_pins(self, pins: Pins) -> bool:
         """Unpin a hold's slots and rows once (loop thread); False if done already.
 
         Both ways a hold ends (:meth:`_release_hold`, and a garbage-collected
-        hold's scheduled :meth:`_release_dropped`) come here, so that a hold
-        that :meth:`aclose` releases while its ``__del__`` runs on another
-        thread is released once. Nothing is unpinned once the engine closed.
+        hold's scheduled :meth:`_release_dropped`) come here
+        (:meth:`HoldRegistry.release`). Nothing is unpinned once the engine closed.
         """
-        if pins.released:
+        refs = self._holds.release(pins, closed=self._state == "closed")
+        if refs is None:
             return False
-        pins.released = True
-        for key, _ in pins.rows:
-            holders = self._row_holds.get(key)
-            if holders is not None:
-                holders.pop(pins, None)
-                if not holders:
-                    del self._row_holds[key]
-        if self._state == "closed":
-            return True  # the pool and the tier are gone
-        for key in pins.cpu:
-            self._pool.unpin(key)
         if self._nvme is not None:
-            for _, ref in pins.rows:
+            for ref in refs:
                 self._nvme.release_row(ref)
         return True
 
-    def _hold_promoted(self, key: OffloadKey) -> None:
-        """``key`` was promoted into a slot (committed, loop thread): holds of its row pin the slot.
-
-        So a held key that a load or prefetch brought in from NVMe stays in
-        its CPU slot until the hold is released, as a key held in a slot does.
-        """
-        holders = self._row_holds.get(key)
-        if holders is None:  # the common case: no hold of its row
-            return
-        for pins, times in holders.items():
-            for _ in range(times):
-                self._pool.pin(key)
-                pins.cpu.append(key)
-
-    def _hold_dropped(self, pins: _Pins) -> None:
+    def _hold_dropped(self, pins: Pins) -> None:
         """A :class:`Hold` was garbage-collected unreleased: release its pins on the loop.
 
         Runs in ``Hold.__del__``, on whatever thread dropped the last
@@ -888,18 +587,10 @@ class TransferEngine:
         if loop is not None and self._state != "closed":
             loop.call_soon_threadsafe(self._release_dropped, pins)
 
-    def _release_dropped(self, pins: _Pins) -> None:
+    def _release_dropped(self, pins: Pins) -> None:
         """Release a garbage-collected hold's pins (loop thread); count it, warn the first time."""
-        if not self._release_pins(pins):
-            return  # aclose released it meanwhile
-        self._holds_dropped += 1
-        if self._holds_dropped == 1:
-            with contextlib.suppress(Exception):  # a log handler that raises changes nothing
-                log.warning(
-                    "a kvtier.Hold was garbage-collected without release(): released it; "
-                    "call release() or use it as a context manager (later ones are "
-                    "counted in stats().holds_dropped, not logged)"
-                )
+        if self._release_pins(pins):  # else aclose released it meanwhile
+            self._holds.count_dropped()
 
     def prefix_hits(self, keys: Iterable[OffloadKey]) -> int:
         """Number of leading keys that a load can serve (``CPU``, ``NVME`` or ``PENDING``).
@@ -915,94 +606,9 @@ class TransferEngine:
                 the engine's (nothing changed).
 
         """
-        return _leading(self.lookup(keys), (Residency.CPU, Residency.NVME, Residency.PENDING))
+        return leading(self.lookup(keys), (Residency.CPU, Residency.NVME, Residency.PENDING))
 
     # ------------------------------------------------------------------ validation
-    def _check_key(self, key: object) -> None:
-        """Raise unless ``key`` is an :class:`OffloadKey` of a group of the layout.
-
-        Raises:
-            InvalidArgumentError: not an OffloadKey; ``UnknownGroupError`` for
-                a group the layout does not have.
-        """
-        if not isinstance(key, OffloadKey):
-            raise InvalidArgumentError(f"expected kvtier.OffloadKey, got {type(key).__name__}")
-        self.layout.group(key.group_id)  # raises UnknownGroupError
-
-    def _validate(self, chunks: Sequence[Chunk], *, load: bool) -> list[Chunk]:
-        """Check a call's chunks; return the list that was checked (use that one).
-
-        One snapshot: a sequence that yields other items on a second pass
-        cannot slip a duplicate past the checks.
-        """
-        if isinstance(chunks, Chunk | str | bytes) or not isinstance(chunks, Sequence):
-            raise InvalidArgumentError("chunks must be a sequence of kvtier.Chunk")
-        chunks = list(chunks)
-        seen: set[OffloadKey] = set()
-        # load: {group_id: GPU blocks written by this call}
-        written: dict[int, set[int]] = {}
-        bpc = self.blocks_per_chunk
-        for chunk in chunks:
-            if not isinstance(chunk, Chunk):
-                raise InvalidArgumentError(f"expected kvtier.Chunk, got {type(chunk).__name__}")
-            key = chunk.key
-            group = self.layout.group(key.group_id)  # raises UnknownGroupError
-            if key in seen:
-                raise DuplicateKeyError(f"{key} appears twice in one call")
-            seen.add(key)
-            ids = chunk.block_ids
-            if chunk.offset + len(ids) > bpc:
-                raise ChunkRangeError(
-                    f"{key}: offset {chunk.offset} + {len(ids)} block_ids > blocks_per_chunk {bpc}"
-                )
-            if min(ids) < 0 or max(ids) >= group.num_blocks:
-                bad = next(b for b in ids if not 0 <= b < group.num_blocks)
-                raise BlockIdError(
-                    f"{key}: block_id {bad} outside [0, {group.num_blocks}) (the layout's "
-                    "num_blocks is the size of each tensor's block_dim: for vLLM's "
-                    "(2, num_blocks, ...) K/V tensors pass block_dim=1)"
-                )
-            if load:
-                pages = written.setdefault(key.group_id, set())
-                size = len(pages)
-                pages.update(ids)
-                if len(pages) != size + len(ids):
-                    b = _written_twice(chunks, key.group_id)
-                    raise BlockIdError(f"{key}: GPU block {b} is written twice by one load")
-        if load and any(self._alias_size[g] > 1 for g in written):
-            self._check_aliased_pages(
-                {(g, b) for g, pages in written.items() if self._alias_size[g] > 1 for b in pages}
-            )
-        return chunks
-
-    def _check_aliased_pages(self, pages: set[tuple[int, int]]) -> None:
-        """Raise BlockIdError when pages of groups that share storage overlap in one load.
-
-        Blocks of one group never overlap (checked at registration), so only
-        pages of different groups of one alias class are compared, exactly,
-        byte interval by byte interval (packed groups interleaved in one block
-        do not overlap; a tensor registered with different block dims may).
-        """
-        shared = [(g, b) for g, b in pages if self._alias_size[g] > 1]
-        if len({self._alias_class[g] for g, _ in shared}) == len({g for g, _ in shared}):
-            return  # at most one group per alias class in this call
-        intervals = sorted(
-            (start, end, g, b)
-            for g, b in shared
-            for layer in self.layout.group(g).layers
-            for piece in layer.pieces
-            for start, end in page_intervals(piece.view8, b)
-        )
-        reach_end, reach_page = -1, (-1, -1)
-        for start, end, g, b in intervals:
-            if start < reach_end and (g, b) != reach_page:
-                raise BlockIdError(
-                    f"one load writes overlapping GPU bytes: block {b} of group {g} and "
-                    f"block {reach_page[1]} of group {reach_page[0]} share storage"
-                )
-            if end > reach_end:
-                reach_end, reach_page = end, (g, b)
-
     # ------------------------------------------------------------------ store
     async def store(
         self, chunks: Sequence[Chunk], *, durable: bool = False, after: Any = None
@@ -1064,7 +670,7 @@ class TransferEngine:
             raise InvalidArgumentError(f"store(durable=...) must be a bool, got {durable!r}")
         if durable and self.config.nvme is None:
             raise ConfigError("store(durable=True) needs an NVMe tier (EngineConfig.nvme)")
-        chunks = self._validate(chunks, load=False)
+        chunks = self._validate.chunks(chunks, load=False)
         after = self._mark(after)
         prepared = self._prepare_store(chunks, durable, after)
         if prepared.result.done():
@@ -1120,7 +726,7 @@ class TransferEngine:
         if entries:
             copies = [self._copy(by_key[e.key], e.slot) for e in entries]
             done = functools.partial(self._store_copied, prepared)
-            self._submit("store", _Call(copies, done, after))
+            self._jobs.submit("store", Call(copies, done, after))
         else:
             self._store_copied(prepared, None)
         return prepared
@@ -1166,8 +772,7 @@ class TransferEngine:
 
     def _track(self, fut: asyncio.Future[Any]) -> None:
         """Make :meth:`aclose` wait for ``fut`` (a task or a job in flight)."""
-        self._tasks.add(fut)
-        fut.add_done_callback(self._task_done)
+        track(self._tasks, fut)
 
     def _copy(self, chunk: Chunk, slot: int) -> ChunkCopy:
         assert self._region is not None
@@ -1182,117 +787,6 @@ class TransferEngine:
             self._host[g],
             slot,
         )
-
-    # ------------------------------------------------------------------ jobs
-    def _submit(self, direction: Direction, call: _Call) -> None:
-        self._pending[direction].append(call)
-        if self._flushing[direction] is None:
-            loop = asyncio.get_running_loop()
-            self._flushing[direction] = tracker = loop.create_future()
-            self._track(tracker)  # aclose waits until the jobs exist (and are tracked)
-            loop.call_soon(self._flush_pending, direction)
-
-    def _flush_pending(self, direction: Direction) -> None:
-        tracker, self._flushing[direction] = self._flushing[direction], None
-        calls, self._pending[direction] = self._pending[direction], []
-        try:
-            job: list[_Call] = []
-            size = 0
-            for call in calls:
-                if job and size + len(call.copies) > self.config.max_batch_chunks:
-                    self._start_job(direction, job)
-                    job, size = [], 0
-                job.append(call)
-                size += len(call.copies)
-            if job:
-                self._start_job(direction, job)
-        finally:
-            if tracker is not None:
-                tracker.set_result(None)
-
-    def _start_job(self, direction: Direction, calls: list[_Call]) -> None:
-        """Hand one job to the direction's executor; its end comes back as one callback."""
-        plan = [c for call in calls for c in call.copies]
-        tracker: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._track(tracker)
-        t0 = time.perf_counter()
-        executor = self._executors[direction]
-        # A failed load job of several calls is copied again call by call BEFORE the
-        # load jobs after it (the executor holds them until release()): a later call
-        # into the same blocks then still wins.
-        hold = direction == "load" and len(calls) > 1
-
-        def isolated(_: asyncio.Future[None]) -> None:
-            if hold:
-                executor.release()
-            tracker.set_result(None)
-
-        def copied(error: BaseException | None) -> None:
-            isolating = False
-            try:
-                self._count_job(direction, plan, time.perf_counter() - t0, error)
-                if error is not None and len(calls) > 1:
-                    # A failed job must fail only the calls whose own copies
-                    # fail: copy each call again on its own (copies are idempotent).
-                    task = asyncio.ensure_future(self._isolate(direction, calls, hold))
-                    task.add_done_callback(isolated)
-                    self._track(task)
-                    isolating = True
-                    return
-                _finish_calls(calls, [error] * len(calls))
-            except Exception:
-                log.exception("kvtier: finishing a %s job failed", direction)
-            finally:
-                if not isolating:
-                    if hold and error is not None:
-                        executor.release()
-                    tracker.set_result(None)
-
-        after = [c.after for c in calls if c.after is not None]
-        try:
-            executor.submit(plan, copied, after, hold_on_error=hold)
-        except Exception as exc:  # a bug: fail the calls rather than leave them waiting
-            log.exception("kvtier: starting a %s job failed", direction)
-            err = TransferError(f"{direction} job of {len(plan)} chunks could not start: {exc}")
-            err.__cause__ = exc
-            self._count_job(direction, plan, 0.0, err)
-            _finish_calls(calls, [err] * len(calls))
-            tracker.set_result(None)
-
-    def _count_job(
-        self,
-        direction: Direction,
-        plan: list[ChunkCopy],
-        seconds: float,
-        error: BaseException | None,
-    ) -> None:
-        nbytes = sum(c.nbytes for c in plan)
-        if error is not None:
-            self._c.failures["transfer"] = self._c.failures.get("transfer", 0) + 1
-        if direction == "store":
-            self._c.store_jobs += 1
-            self._c.store_bytes += nbytes
-            self._c.store_seconds += seconds
-        else:
-            self._c.load_jobs += 1
-            self._c.load_bytes += nbytes
-            self._c.load_seconds += seconds
-
-    async def _isolate(self, direction: Direction, calls: list[_Call], direct: bool) -> None:
-        """Copy each call of a failed job again on its own, in call order.
-
-        ``direct``: the executor holds the jobs after the failed one; these
-        copies go past them.
-        """
-        errors: list[BaseException | None] = []
-        for call in calls:
-            try:
-                after = () if call.after is None else (call.after,)
-                await self._executors[direction].run(call.copies, after, direct=direct)
-                errors.append(None)
-            except TransferError as exc:
-                errors.append(exc)
-        _finish_calls(calls, errors)
 
     # ------------------------------------------------------------------ load
     async def load(self, chunks: Sequence[Chunk], *, after: Any = None) -> LoadResult:
@@ -1349,7 +843,7 @@ class TransferEngine:
 
         """
         self._check_open(loop=True)
-        chunks = self._validate(chunks, load=True)
+        chunks = self._validate.chunks(chunks, load=True)
         after = self._mark(after)
         not_stored: dict[OffloadKey, BaseException] = {}
         for chunk in chunks:
@@ -1372,13 +866,13 @@ class TransferEngine:
             try:
                 return await pending.result
             except asyncio.CancelledError:
-                if not self._withdraw("load", pending.call):
+                if not self._jobs.withdraw("load", pending.call):
                     await _uninterrupted(pending.finished)
                 raise
         ctx = _Ctx(woken=asyncio.get_running_loop().create_future())
         task = asyncio.ensure_future(self._load(chunks, ctx, after, turn))
         # However the task ends (even cancelled before its first step), its turn ends.
-        task.add_done_callback(lambda _: self._end_turn(turn[0]))
+        task.add_done_callback(lambda _: self._load_order.end(turn[0]))
         self._track(task)
         try:
             result = await asyncio.shield(task)
@@ -1438,7 +932,7 @@ class TransferEngine:
         keys = list(keys)  # one snapshot: checked and used
         seen: set[OffloadKey] = set()
         for key in keys:
-            self._check_key(key)
+            self._validate.check_key(key)
             if key in seen:
                 raise DuplicateKeyError(f"{key} appears twice in one call")
             seen.add(key)
@@ -1500,58 +994,12 @@ class TransferEngine:
             if key in resident:
                 self._pool.refresh(key)
 
-    def _withdraw(self, direction: Direction, call: _Call) -> bool:
-        """Take a call out of the pending (not yet started) jobs and finish it as cancelled."""
-        pending = self._pending[direction]
-        if call not in pending:
-            return False
-        pending.remove(call)
-        _finish_calls([call], [asyncio.CancelledError()])
-        return True
-
-    def _take_turn(self, chunks: list[Chunk]) -> tuple[_LoadTurn, list[_LoadTurn]] | None:
+    def _take_turn(self, chunks: list[Chunk]) -> tuple[LoadTurn, list[LoadTurn]] | None:
         """Queue a load call behind earlier waiting loads of its GPU pages, if it must wait.
 
-        A call waits (and is registered as a :class:`_LoadTurn`) when one of
-        its keys has a store or promotion in flight or must be promoted, or
-        when an earlier load call that writes one of its GPU pages is still
-        waiting: its copies must reach the executor after that call's.
-
-        Returns:
-            ``None`` when the call can submit at once, else its turn and the
-            earlier turns it waits for.
+        See :meth:`LoadOrder.take`; ``None`` when the call can submit at once.
         """
-        must_wait = self._must_wait(chunks)
-        if not must_wait and not self._load_turns:
-            return None
-        pages, classes = self._pages_of(chunks)
-        ahead = [t for t in self._load_turns if t.overlaps(pages, classes)]
-        if not ahead and not must_wait:
-            return None
-        turn = _LoadTurn(pages, classes, asyncio.get_running_loop().create_future())
-        self._load_turns.append(turn)
-        return turn, ahead
-
-    def _pages_of(self, chunks: list[Chunk]) -> tuple[dict[int, set[int]], set[int]]:
-        """The GPU pages ``chunks`` write: ``({label: block ids}, alias classes)``."""
-        pages: dict[int, set[int]] = {}
-        classes: set[int] = set()
-        for chunk in chunks:
-            g = chunk.key.group_id
-            label = self._page_label[g]
-            if label is None:
-                classes.add(self._alias_class[g])
-            elif label in pages:
-                pages[label].update(chunk.block_ids)
-            else:
-                pages[label] = set(chunk.block_ids)
-        return pages, classes
-
-    def _end_turn(self, turn: _LoadTurn) -> None:
-        """The call submitted its copies (or never will): later loads may submit theirs."""
-        if not turn.submitted.done():
-            self._load_turns.remove(turn)
-            turn.submitted.set_result(None)
+        return self._load_order.take(chunks, self._must_wait(chunks))
 
     def _must_wait(self, chunks: list[Chunk]) -> bool:
         """A key of ``chunks`` has a store or promotion in flight, or must be promoted."""
@@ -1629,8 +1077,8 @@ class TransferEngine:
                 result.set_result(LoadResult(tuple(loaded), failed))
             finished.set_result(None)
 
-        call = _Call(copies, copied, after)
-        self._submit("load", call)
+        call = Call(copies, copied, after)
+        self._jobs.submit("load", call)
         return _Load(call, result, finished)
 
     def stored_range(self, key: OffloadKey) -> tuple[int, int] | None:
@@ -1655,7 +1103,7 @@ class TransferEngine:
 
         """
         self._check_open()
-        self._check_key(key)
+        self._validate.check_key(key)
         return self._stored_range(key)
 
     def _stored_range(self, key: OffloadKey) -> tuple[int, int] | None:
@@ -1678,7 +1126,7 @@ class TransferEngine:
         chunks: list[Chunk],
         ctx: _Ctx,
         after: Any,
-        turn: tuple[_LoadTurn, list[_LoadTurn]],
+        turn: tuple[LoadTurn, list[LoadTurn]],
     ) -> LoadResult:
         # Wait for stores / promotions in flight on these keys, again when
         # another call started one while we waited (else the key would read
@@ -1719,7 +1167,7 @@ class TransferEngine:
         # call wins. Its keys stay pinned meanwhile: a key resident at the call is
         # loaded (the earlier call's promotion cannot evict it). A cancelled caller
         # stops waiting (it will copy nothing).
-        pages, classes = self._pages_of(pinned)
+        pages, classes = self._load_order.pages_of(pinned)
         ahead = [t.submitted for t in turn[1] if t.overlaps(pages, classes)]
         while not ctx.cancelled and (ahead := [f for f in ahead if not f.done()]):
             assert ctx.woken is not None
@@ -1730,7 +1178,7 @@ class TransferEngine:
                 failed[chunk.key] = asyncio.CancelledError()
             return LoadResult((), failed)
         pending = self._submit_load(pinned, failed, after)
-        self._end_turn(turn[0])
+        self._load_order.end(turn[0])
         await pending.finished
         return pending.result.result()
 
@@ -1774,51 +1222,18 @@ class TransferEngine:
         they add up to ``num_slots`` also when another thread (a metrics
         scrape) reads them while the engine's loop runs.
         """
-        pool = self._pool
-        per_group: dict[int, int] = {}
-        payload = 0
-        states = dict.fromkeys(SlotState, 0)
-        for e in list(pool.entries()):  # one snapshot: a scrape thread may read mid-change
-            state = e.state
-            states[state] += 1
-            payload += e.payload_nbytes
-            if state is not SlotState.WRITING:
-                g = e.key.group_id
-                per_group[g] = per_group.get(g, 0) + 1
-        occupied = sum(states.values())
-        c = self._c
         nvme: dict[str, Any] | None
         if self._nvme is not None:
             nvme = self._nvme_stats()
         else:  # closed: the tier's last counters (None without an NVMe tier)
             nvme = dict(self._nvme_final) if self._nvme_final is not None else None
-        return EngineStats(
-            num_slots=self.num_slots,
+        return engine_stats(
+            self._pool,
+            self._c,
             slot_nbytes=self.slot_nbytes,
-            slots_free=self.num_slots - occupied,
-            slots_writing=states[SlotState.WRITING],
-            slots_resident=states[SlotState.RESIDENT],
-            slots_pinned=states[SlotState.PINNED],
-            keys_per_group=dict(sorted(per_group.items())),
-            payload_nbytes=payload,
-            reserved_nbytes=occupied * self.slot_nbytes,
-            slot_waste_nbytes=occupied * self.slot_nbytes - payload,
-            hits=c.hits,
-            misses=c.misses,
-            evictions=pool.evictions,
-            rejected=c.rejected,
-            store_bytes=c.store_bytes,
-            store_seconds=c.store_seconds,
-            load_bytes=c.load_bytes,
-            load_seconds=c.load_seconds,
-            store_jobs=c.store_jobs,
-            load_jobs=c.load_jobs,
-            load_failures=c.load_failures,
             pinned_memory=bool(self._region and self._region.pinned),
             nvme=nvme,
-            failures=dict(c.failures),
-            nvme_hits=c.nvme_hits,
-            holds_dropped=self._holds_dropped,
+            holds_dropped=self._holds.dropped,
         )
 
 

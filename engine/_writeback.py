@@ -19,7 +19,7 @@ import collections
 import os
 import pathlib
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -131,8 +131,16 @@ def _lock_holder(path: pathlib.Path) -> str:
 class NVMeWriter:
     """Background write-through and promotion for one engine."""
 
-    def __init__(self, engine: WriterHost, tier: NVMeTier) -> None:
+    def __init__(
+        self,
+        engine: WriterHost,
+        tier: NVMeTier,
+        *,
+        on_promoted: Callable[[OffloadKey], None],
+    ) -> None:
         self._engine = engine
+        # Called for each key a promotion committed (a hold of its row pins the slot too).
+        self._on_promoted = on_promoted
         self._tier = tier
         self._open: _Batch | None = None  # the batch new keys join
         self._waiting: list[_Batch] = []  # batches not yet handed to the tier (open included)
@@ -449,7 +457,7 @@ class NVMeWriter:
         for key in reversed(ok):  # recency: the call's first key ends most recently used
             pool.commit(key, hint=hint)
             pool.pin(key)
-            engine._hold_promoted(key)  # a hold of its row pins the slot too
+            self._on_promoted(key)  # a hold of its row pins the slot too
         ready.set_result(True)
         return ok, errors
 

@@ -59,7 +59,7 @@ class _Rig:
             ]
             self.gate.armed = True
             yield engine
-            assert engine._load_turns == []
+            assert engine._load_order.turns == []
         finally:
             self.gate.opened.set()
             await engine.aclose()

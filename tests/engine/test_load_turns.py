@@ -1,4 +1,4 @@
-"""Break-it review of the load turns (``TransferEngine._take_turn`` / ``_end_turn``).
+"""Break-it review of the load turns (``TransferEngine._take_turn`` / ``LoadOrder.end``).
 
 Load calls into the same GPU blocks must land in call order (the later call's
 bytes are left), also when the earlier call first waits for a store in flight
@@ -179,13 +179,13 @@ async def quiet(engine: kvtier.TransferEngine) -> None:
     Turns must be gone as soon as every call ended; a cancelled store's copy
     may still run (its slot is freed when it ends), so that is waited for.
     """
-    assert engine._load_turns == []
+    assert engine._load_order.turns == []
     await until(lambda: not engine._tasks and not engine._ready, "copies in flight end")
     # write-through keeps slots pinned until written; a tiny NVMe tier refuses rows
     with contextlib.suppress(kvtier.errors.NotDurableError):
         await bounded(engine.flush())
     assert engine.stats().slots_pinned == 0
-    assert engine._load_turns == []
+    assert engine._load_order.turns == []
 
 
 # ---------------------------------------------------------------- findings
@@ -250,7 +250,7 @@ async def test_a_failed_job_retried_call_by_call_does_not_overwrite_a_later_call
         await rig.close(engine)
 
 
-# Was: groups that share memory counted as one page set (_LoadTurn.classes): a load into
+# Was: groups that share memory counted as one page set (LoadTurn.classes): a load into
 # ANOTHER block waited for an earlier call's NVMe promotion (README: calls into other
 # blocks do not wait). Now groups that meet only at equal block ids compare block by block.
 @pytest.mark.parametrize("g_later", [0, 1])
@@ -566,7 +566,7 @@ async def test_the_store_an_earlier_load_waits_for_is_lost_the_later_load_goes_t
             await until(entered.is_set, "the store copies")
             a = asyncio.ensure_future(engine.load([C(s, [5]), C(y, [6])]))
             b = asyncio.ensure_future(engine.load([C(y, [5])]))
-            await until(lambda: len(engine._load_turns) == 2, "both loads wait")
+            await until(lambda: len(engine._load_order.turns) == 2, "both loads wait")
             if how == "cancelled":
                 st.cancel()
             hold.set()
@@ -608,7 +608,7 @@ async def test_a_key_resident_when_its_load_is_called_is_not_evicted_while_it_wa
             await until(entered.is_set, "the store copies")
             a = asyncio.ensure_future(engine.load([C(s, [5])]))
             b = asyncio.ensure_future(engine.load([C(y, [5])]))
-            await until(lambda: len(engine._load_turns) == 2, "both loads wait")
+            await until(lambda: len(engine._load_order.turns) == 2, "both loads wait")
             await asyncio.sleep(0.01)
             # three new keys, two free slots: the third evicts what is evictable
             more = asyncio.ensure_future(
@@ -781,7 +781,7 @@ async def test_aclose_while_turns_wait_lets_them_finish_in_order(
         assert rc.loaded == (z,)
         assert torch.equal(rig.t[5], rig.bytes_of(3))
         assert torch.equal(rig.t[6], rig.bytes_of(3))
-        assert engine._load_turns == []
+        assert engine._load_order.turns == []
         assert not engine._tasks
     finally:
         await rig.close(engine)
@@ -831,7 +831,7 @@ def test_background_engine_turns_and_cancel(tmp_path: Path) -> None:
         assert torch.equal(rig.t[7], rig.bytes_of(1)) or torch.equal(rig.t[7], rig.bytes_of(3))
         assert not torch.equal(rig.t[7], before)
         assert bg.stats().slots_pinned == 0
-        assert bg.engine._load_turns == []
+        assert bg.engine._load_order.turns == []
         # close while a call waits behind a held promotion: both finish, in order
         rig.gate.opened.clear()
         rig.gate.reading.clear()
@@ -848,7 +848,7 @@ def test_background_engine_turns_and_cancel(tmp_path: Path) -> None:
         assert a.result(0).loaded == (key("nv2", 0),)
         assert b.result(0).loaded == (y,)
         assert torch.equal(rig.t[8], rig.bytes_of(2))
-        assert bg.engine._load_turns == []
+        assert bg.engine._load_order.turns == []
 
 
 # ---------------------------------------------------------------- random interleavings
@@ -949,7 +949,7 @@ async def _random_run(
     def counted_take_turn(chunks: list[kvtier.Chunk]) -> Any:
         # the only place a turn is queued: count every queue length, not samples
         out = take_turn(chunks)
-        seen[0] = max(seen[0], len(engine._load_turns))
+        seen[0] = max(seen[0], len(engine._load_order.turns))
         return out
 
     engine._take_turn = counted_take_turn  # type: ignore[method-assign]
