@@ -41,11 +41,11 @@ from kvtier._slots import SlotPool
 from kvtier._types import OffloadKey
 from kvtier.vllm._nvme import NVMeSide
 
-METRIC_HITS = "kvtier:offload_hits"
-METRIC_NVME_BYTES = "kvtier:offload_nvme_bytes"
-METRIC_NVME_SECONDS = "kvtier:offload_nvme_seconds"
-METRIC_FAILURES = "kvtier:offload_nvme_failures"
-METRIC_SLOTS_USED = "kvtier:offload_cpu_slots_used_perc"
+METRIC_HITS = "vllm:kvtier_offload_hits"
+METRIC_NVME_BYTES = "vllm:kvtier_offload_nvme_bytes"
+METRIC_NVME_SECONDS = "vllm:kvtier_offload_nvme_seconds"
+METRIC_FAILURES = "vllm:kvtier_offload_nvme_failures"
+METRIC_SLOTS_USED = "vllm:kvtier_offload_cpu_slots_used_perc"
 
 
 def nvme_key(key: VKey) -> OffloadKey:

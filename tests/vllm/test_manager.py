@@ -163,7 +163,7 @@ def test_reset_cache_keeps_nvme_rows_and_promotes_them(tmp_path: pathlib.Path) -
         b.tensors[1].zero_()
         b.load([(b.key(1, 1), 7)])
         assert torch.equal(_payload(b, 1, 7)[0], want[0])
-        hits = b.manager.get_stats().data["data"]["kvtier:offload_hits"]
+        hits = b.manager.get_stats().data["data"]["vllm:kvtier_offload_hits"]
         assert hits == {("nvme",): 1}
     finally:
         b.close()
@@ -217,7 +217,7 @@ def test_corrupt_row_is_a_miss_and_counted(tmp_path: pathlib.Path) -> None:
         assert sorted(final, key=lambda r: r.value) == [MISS, HIT, HIT]
         assert b.manager.lookup(keys[final.index(MISS)][0], b.ctx) == MISS  # stays a miss
         stats = b.manager.get_stats().data["data"]
-        assert stats["kvtier:offload_nvme_failures"] == {(): 1}
+        assert stats["vllm:kvtier_offload_nvme_failures"] == {(): 1}
     finally:
         b.close()
 
