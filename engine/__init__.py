@@ -10,6 +10,7 @@ from kvtier._holds import Hold
 from kvtier._policy import ARCPolicy, EvictionPolicy, LRUPolicy
 from kvtier._types import (
     Chunk,
+    ClearResult,
     EngineStats,
     LoadResult,
     Medium,
@@ -25,6 +26,7 @@ __all__ = [
     "ARCPolicy",
     "BackgroundEngine",
     "Chunk",
+    "ClearResult",
     "EngineClosedError",
     "EngineConfig",
     "EngineStats",

@@ -17,6 +17,7 @@ from kvtier._engine import TransferEngine, _record_event
 from kvtier._holds import Hold
 from kvtier._types import (
     Chunk,
+    ClearResult,
     EngineStats,
     LoadResult,
     OffloadKey,
@@ -263,6 +264,10 @@ class BackgroundEngine:
     def flush(self) -> concurrent.futures.Future[None]:
         """:meth:`TransferEngine.flush` on the engine thread; returns a Future."""
         return self._submit(self.engine.flush())
+
+    def clear(self, *, nvme: bool = False) -> concurrent.futures.Future[ClearResult]:
+        """:meth:`TransferEngine.clear` on the engine thread; returns a Future."""
+        return self._submit(self.engine.clear(nvme=nvme))
 
     def lookup(self, keys: Iterable[OffloadKey]) -> list[Residency]:
         """:meth:`TransferEngine.lookup`, run on the engine thread (blocks briefly)."""

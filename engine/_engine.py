@@ -32,6 +32,7 @@ from kvtier._transfer import (
 )
 from kvtier._types import (
     Chunk,
+    ClearResult,
     EngineStats,
     LoadResult,
     OffloadKey,
@@ -47,6 +48,7 @@ from kvtier.errors import (
     EngineClosedError,
     InvalidArgumentError,
     KeyNotResidentError,
+    KVTierError,
     NotStoredError,
     WrongThreadError,
 )
@@ -1210,6 +1212,64 @@ class TransferEngine:
         self._check_open(loop=True)
         if self._writer is not None:
             await self._writer.flush()
+
+    async def clear(self, *, nvme: bool = False) -> ClearResult:
+        """Empty the CPU tier (and with ``nvme=True`` the NVMe tier) while running.
+
+        For a serving engine's cache reset (vLLM's ``reset_prefix_cache``).
+        First waits for the calls in flight at the call (their copies touch
+        slots and GPU blocks) and for the NVMe writes of the keys they
+        stored; then drops every key in a CPU slot that nothing pins. Keys a
+        :class:`Hold` pins are left alone and reported, as are keys that a
+        call started while ``clear`` waited still uses. With ``nvme=True``
+        every NVMe row of the namespace that no hold pins is dropped too and
+        its trailer blanked (as eviction does), so a restart does not find
+        it; a row a read still uses is blanked once that read ends. Without
+        it, rows stay: a later :meth:`lookup` says ``NVME`` for such keys,
+        ``MISS`` for the rest. :meth:`stats` (and its Prometheus gauges)
+        count the freed slots at once.
+
+        Args:
+            nvme: also drop the NVMe rows (no effect without an NVMe tier).
+
+        Returns:
+            A :class:`ClearResult`: keys dropped per tier, keys kept.
+
+        Raises:
+            EngineClosedError: the engine is not open.
+            WrongThreadError: called from another thread or event loop than
+                the engine's (nothing changed).
+
+        Cancellation: the wait ends, nothing is dropped by this call.
+        """
+        self._check_open(loop=True)
+        # The calls in flight now (and the jobs they start), then the row
+        # writes of what they stored: write-through pins their slots.
+        for _ in range(3):
+            pending = list(self._tasks)
+            if not pending:
+                break
+            await asyncio.wait(pending)
+        if self._writer is not None:
+            with contextlib.suppress(KVTierError):
+                # A row that did not become durable is dropped below anyway.
+                await self._writer.flush()
+        self._check_open()
+        pool = self._pool
+        kept: list[OffloadKey] = []
+        cpu_dropped = 0
+        for entry in list(pool.entries()):
+            if entry.writing or entry.refs:
+                kept.append(entry.key)
+                continue
+            pool.drop(entry.key)
+            cpu_dropped += 1
+        nvme_dropped = 0
+        if nvme and self._nvme is not None:
+            held = {key for h in self._holds.live() for key, _ in h._pins.rows}
+            kept.extend(sorted(held - set(kept), key=lambda k: (k.group_id, k.block_hash)))
+            nvme_dropped = await self._nvme.clear(keep=held | set(kept))
+        return ClearResult(cpu_dropped, nvme_dropped, tuple(kept))
 
     def stats(self) -> EngineStats:
         """A snapshot of the counters (never blocks).

@@ -153,6 +153,25 @@ class PrefetchResult:
 
 
 @dataclass(frozen=True, slots=True)
+class ClearResult:
+    """Outcome of :meth:`TransferEngine.clear`.
+
+    Attributes:
+        cpu_dropped: keys dropped from CPU slots (their slots are free now).
+        nvme_dropped: keys whose NVMe rows were dropped and blanked
+            (``clear(nvme=True)``; 0 otherwise).
+        kept: keys left in CPU slots because a :class:`Hold` pins them, or a
+            store, load or promotion that started while ``clear`` waited
+            still uses them; with ``nvme=True`` also held NVMe-only keys.
+
+    """
+
+    cpu_dropped: int = 0
+    nvme_dropped: int = 0
+    kept: tuple[OffloadKey, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     """A snapshot of engine counters (see :meth:`TransferEngine.stats`).
 

@@ -9,7 +9,7 @@ import logging
 import os
 import pathlib
 import re
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, cast
 
@@ -531,6 +531,32 @@ class NVMeTier:
         before that may find the key again.
         """
         self._index.discard(key)
+
+    async def clear(self, keep: Collection[OffloadKey] = ()) -> int:
+        """Drop every visible key except ``keep`` and blank the rows it frees.
+
+        Writes in flight of the dropped keys will not publish them. A row a
+        read still pins is blanked once that read ends (at the next
+        reclaim). Blanking failures are logged and counted
+        (``reclaim_failures``), as for eviction.
+
+        Args:
+            keep: keys whose rows stay (held by the engine).
+
+        Returns:
+            The number of keys dropped.
+
+        Raises:
+            EngineClosedError: the tier is not open.
+        """
+        self._check_open()
+        dropped = 0
+        for key in list(self._index.keys()):
+            if key not in keep:
+                self._index.discard(key)
+                dropped += 1
+        await _batches.reclaim(self)
+        return dropped
 
     def stats(self) -> dict[str, int | float | bool | str]:
         """Counters: bytes in bytes, times in seconds (summed over calls).
