@@ -2,16 +2,20 @@
 
 Pure and synchronous, like the rest of :class:`~kvtier.io._index.RowIndex`.
 One LRU over the keys of all groups. Every write of a key gets a sequence
-number (:meth:`KeyIndex.begin_write`); the highest published one wins
-(:meth:`KeyIndex.publish`), so a slow older write never replaces a newer row,
-and a restart orders rows by the sequence numbers in their trailers.
+number (:meth:`KeyIndex.begin_write`, at the call); the highest published one
+wins (:meth:`KeyIndex.publish`), so a slow older write never replaces a newer
+row, and a restart orders rows by the sequence numbers in their trailers.
+Recency follows the calls, not the order their writes finish in: a row
+published late (its batch waited for segment growth or a write slot) ranks
+by its sequence number, before the rows of later calls and of later touches
+(a touch takes the next number of the same counter, in memory only).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvtier.io._rows import RowRef
 from kvtier.keys import OffloadKey
@@ -21,12 +25,22 @@ __all__ = ["KeyIndex", "RowEntry"]
 
 @dataclass(frozen=True, slots=True)
 class RowEntry:
-    """A visible row: where it is, the stored sub-block range and its sequence number."""
+    """A visible row: where it is, the stored sub-block range and its sequence number.
+
+    ``used``: the counter's value at the key's last touch (0: never
+    touched); the LRU ranks a key by :attr:`rank`.
+    """
 
     ref: RowRef
     start: int
     stop: int
     seq: int
+    used: int = 0
+
+    @property
+    def rank(self) -> int:
+        """Where the key sits in the LRU: its write's call or its last touch, the later."""
+        return max(self.seq, self.used)
 
 
 class KeyIndex:
@@ -117,6 +131,17 @@ class KeyIndex:
             self.pending[key] = newer
         self.lru[key] = RowEntry(ref, start, stop, seq)
         self.lru.move_to_end(key)
+        # Rows of later calls (or touched later) published first stay after it.
+        lru = self.lru
+        later: list[OffloadKey] = []
+        for k in reversed(lru):
+            if k is key or k == key:
+                continue
+            if lru[k].rank < seq:
+                break
+            later.append(k)
+        for k in reversed(later):
+            lru.move_to_end(k)
         return True, None if old is None else old.ref
 
     # -- lookups ----------------------------------------------------------------
@@ -137,8 +162,11 @@ class KeyIndex:
         return len(self.lru)
 
     def touch(self, key: OffloadKey) -> None:
-        """Mark a visible key most recently used."""
-        if key in self.lru:
+        """Mark a visible key most recently used (it takes the next sequence number)."""
+        entry = self.lru.get(key)
+        if entry is not None:
+            self.seq += 1
+            self.lru[key] = replace(entry, used=self.seq)
             self.lru.move_to_end(key)
 
     def remove(self, key: OffloadKey, ref: RowRef | None = None) -> RowEntry | None:
