@@ -197,10 +197,13 @@ class NVMeWriter:
         """Mark the call's keys on NVMe used, tail first, once ``batches`` are done."""
         tier = self._tier
         left = [len(batches)]
+        # Ranked at the call, not when its batches end: a call whose batch
+        # waited (segment growth, a write slot) stays before later calls.
+        first = tier.reserve_ranks(len(call))
 
         def touch_all() -> None:
-            for key in reversed(call):
-                tier.touch(key)  # no-op for a key not (or no longer) on NVMe
+            for i, key in enumerate(reversed(call)):
+                tier.touch(key, first + i)  # no-op for a key not (or no longer) on NVMe
 
         def one_done(_: object) -> None:
             left[0] -= 1

@@ -599,9 +599,13 @@ class RowIndex:
         """Undo one :meth:`pin`; a row dropped meanwhile becomes stale now."""
         self._rows.unpin(ref)
 
-    def touch(self, key: OffloadKey) -> None:
-        """Mark a visible key most recently used."""
-        self._keys.touch(key)
+    def touch(self, key: OffloadKey, rank: int | None = None) -> None:
+        """Mark a visible key used, now or at ``rank`` (:meth:`reserve_ranks`)."""
+        self._keys.touch(key, rank)
+
+    def reserve_ranks(self, n: int) -> int:
+        """Take ``n`` recency numbers now for later touches; the first of them."""
+        return self._keys.reserve_ranks(n)
 
     def drop(self, key: OffloadKey, ref: RowRef | None = None) -> bool:
         """Forget a visible key (only if it is still at ``ref`` when given); its row goes stale.

@@ -27,8 +27,10 @@ __all__ = ["KeyIndex", "RowEntry"]
 class RowEntry:
     """A visible row: where it is, the stored sub-block range and its sequence number.
 
-    ``used``: the counter's value at the key's last touch (0: never
-    touched); the LRU ranks a key by :attr:`rank`.
+    ``used``: the counter's value of the key's last touch (0: never
+    touched): the time of the touch, or of the call that wrote or skipped
+    the key (:meth:`KeyIndex.reserve_ranks`); the LRU ranks a key by
+    :attr:`rank`.
     """
 
     ref: RowRef
@@ -39,8 +41,8 @@ class RowEntry:
 
     @property
     def rank(self) -> int:
-        """Where the key sits in the LRU: its write's call or its last touch, the later."""
-        return max(self.seq, self.used)
+        """Where the key sits in the LRU: its last touch, else its write's sequence number."""
+        return self.used or self.seq
 
 
 class KeyIndex:
@@ -130,19 +132,27 @@ class KeyIndex:
         if newer:
             self.pending[key] = newer
         self.lru[key] = RowEntry(ref, start, stop, seq)
-        self.lru.move_to_end(key)
-        # Rows of later calls (or touched later) published first stay after it.
+        self._place(key)
+        return True, None if old is None else old.ref
+
+    def _place(self, key: OffloadKey) -> None:
+        """Move ``key`` to its rank's place: after every key of a lower rank.
+
+        The LRU is sorted by rank; keys ranked after ``key`` (published or
+        touched by later calls) stay after it. Costs O(those keys).
+        """
         lru = self.lru
+        lru.move_to_end(key)
+        rank = lru[key].rank
         later: list[OffloadKey] = []
         for k in reversed(lru):
-            if k is key or k == key:
+            if k == key:
                 continue
-            if lru[k].rank < seq:
+            if lru[k].rank < rank:
                 break
             later.append(k)
         for k in reversed(later):
             lru.move_to_end(k)
-        return True, None if old is None else old.ref
 
     # -- lookups ----------------------------------------------------------------
 
@@ -161,13 +171,35 @@ class KeyIndex:
     def __len__(self) -> int:
         return len(self.lru)
 
-    def touch(self, key: OffloadKey) -> None:
-        """Mark a visible key most recently used (it takes the next sequence number)."""
+    def reserve_ranks(self, n: int) -> int:
+        """Take ``n`` numbers of the counter now, for touches that land later.
+
+        A call whose keys are touched once its writes ended (in any order)
+        ranks them by the call: :meth:`touch` with ``rank=first + i``.
+
+        Returns:
+            The first of the ``n`` numbers.
+        """
+        first = self.seq + 1
+        self.seq += n
+        return first
+
+    def touch(self, key: OffloadKey, rank: int | None = None) -> None:
+        """Mark a visible key used: now (the next number), or at ``rank`` (:meth:`reserve_ranks`).
+
+        A reserved ``rank`` places the key at its call, also before its own
+        row's sequence number (the row was written after the call took its
+        numbers); a touch after it in time is never undone by it.
+        """
         entry = self.lru.get(key)
-        if entry is not None:
+        if entry is None:
+            return
+        if rank is None:
             self.seq += 1
-            self.lru[key] = replace(entry, used=self.seq)
-            self.lru.move_to_end(key)
+            rank = self.seq
+        if rank > entry.used:
+            self.lru[key] = replace(entry, used=rank)
+            self._place(key)
 
     def remove(self, key: OffloadKey, ref: RowRef | None = None) -> RowEntry | None:
         """Forget a visible key (only if it is still at ``ref`` when given); its entry, or None."""

@@ -501,13 +501,28 @@ class NVMeTier:
         """Visible keys, groups in id order, least recently used first."""
         return self._index.keys()
 
-    def touch(self, key: OffloadKey) -> None:
-        """Mark a visible key's row most recently used (no I/O; nothing for another key).
+    def touch(self, key: OffloadKey, rank: int | None = None) -> None:
+        """Mark a visible key's row used (no I/O; nothing for another key).
+
+        Args:
+            key: the key.
+            rank: None: most recently used now. A number from
+                :meth:`reserve_ranks`: used at the time it was reserved, so
+                a call's keys touched once its writes ended rank by the call,
+                before the keys of later calls. A key never moves back.
 
         In memory only: after a restart rows rank by their sequence numbers,
         that is by when they were written.
         """
-        self._index.touch(key)
+        self._index.touch(key, rank)
+
+    def reserve_ranks(self, n: int) -> int:
+        """Take ``n`` recency numbers now, for :meth:`touch` calls that come later.
+
+        Returns:
+            The first number; the call's keys use ``first .. first + n - 1``.
+        """
+        return self._index.reserve_ranks(n)
 
     def hold_row(self, key: OffloadKey) -> RowRef | None:
         """Pin the row of a visible key against eviction and reuse; None when not visible.

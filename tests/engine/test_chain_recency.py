@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import kvtier
-from tests.engine.helpers import chunk_chain, fill_random, keys_of
+from tests.engine.helpers import chunk_chain, equal_groups, fill_random, keys_of
 
 M, C, N = kvtier.Residency.MISS, kvtier.Residency.CPU, kvtier.Residency.NVME
 BLOCK = 4096  # payload bytes of one block: a slot (and a row) is 8 KiB with its trailer
@@ -178,3 +178,33 @@ async def test_a_chain_of_hits_and_promotions_loses_its_tail_first(
         # one free slot, then two evictions: a2, then a1 (a0 is the newest)
         await engine.store(chunk_chain(f"x-{call}", 3, 10), durable=True)
         assert engine.lookup(keys_of(chain)) == [C, N, N], call
+
+
+@pytest.mark.parametrize("grow_ahead", [True, False])
+@pytest.mark.parametrize("run", range(3))
+async def test_nvme_rows_rank_by_store_call_across_groups_right_after_start(
+    tmp_path: Path, grow_ahead: bool, run: int
+) -> None:
+    """Three calls of three groups right after start() (their segment files still
+    growing): a filler that needs the first call's room evicts the first call."""
+    groups = equal_groups(64, 3, 1, (BLOCK // 2,))
+    layout = kvtier.KVLayout.from_tensors(groups)
+    probe = kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 1))
+    row = probe.slot_nbytes  # equal groups: equal rows
+    nvme = kvtier.NVMeConfig(
+        root=tmp_path,
+        capacity_bytes=6 * row,
+        namespace="order",
+        eviction_window=1,
+        grow_ahead=grow_ahead,
+    )
+    config = kvtier.EngineConfig(16 * row, 1, nvme=nvme)
+    first, second, third = (chunk_chain(f"g{g}-", 2, 2 * g, g) for g in (1, 0, 2))
+    async with kvtier.TransferEngine(layout, config) as engine:
+        for chain in (first, second, third):
+            assert len((await engine.store(chain)).stored) == 2
+        await engine.flush()
+        await engine.store(chunk_chain("filler-", 2, 20, 1), durable=True)
+    async with kvtier.TransferEngine(layout, config) as engine:
+        assert engine.lookup(keys_of(first)) == [M, M]
+        assert engine.lookup(keys_of(second + third)) == [N] * 4
