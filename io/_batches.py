@@ -838,7 +838,8 @@ async def read_batch(
 ) -> None:
     """Read pinned rows in coalesced runs, verify and unpin them; fill ``results``.
 
-    A failed key is dropped from the index and counted by kind.
+    A failed request of several rows is retried row by row (:func:`_read_run`);
+    a key whose own row failed is dropped from the index and counted by kind.
     """
     runs = make_runs(tier, jobs, lambda j: j.entry.ref)
     t0 = time.perf_counter()
@@ -866,20 +867,51 @@ async def read_batch(
 
 
 async def _read_run(tier: TierState, run: list[ReadJob]) -> list[StorageError | None]:
-    """Read a run (I/O workers, or the AIO context), then verify it on the checksum workers."""
+    """Read a run with one request, then verify it on the checksum workers.
+
+    When a request of several rows fails (an error such as EIO, or a short
+    read), each row it did not read in full is read again alone, once, before
+    anything fails: only a row whose own read fails, or whose trailer or
+    checksum does not verify, gets an error. Each retry counts as a read request.
+    """
+    ref = run[0].entry.ref
+    spec = tier._specs[ref.group_id]
+    nbytes = await _read_request(tier, run)
+    errors = await tier._run_checksum(_files.verify_run, spec, run, nbytes)
+    if len(run) == 1:
+        return errors
+    unread = [
+        i
+        for i in range(len(run))
+        if isinstance(nbytes, StorageError) or nbytes < (i + 1) * spec.row_nbytes
+    ]
+    if not unread:
+        return errors
+    tier._counts["read_requests"] += len(unread)
+    alone = await asyncio.gather(*(_read_request(tier, [run[i]]) for i in unread))
+    for i, n in zip(unread, alone, strict=True):
+        (errors[i],) = await tier._run_checksum(_files.verify_run, spec, [run[i]], n)
+    return errors
+
+
+async def _read_request(tier: TierState, run: list[ReadJob]) -> int | StorageError:
+    """Read consecutive rows with one request (I/O workers, or the AIO context).
+
+    Returns:
+        The bytes read, or the :class:`StorageError` of the failed request;
+        never raises.
+    """
     ref = run[0].entry.ref
     spec = tier._specs[ref.group_id]
     handle = tier._segments[(ref.group_id, ref.segment)]
-    nbytes: int | StorageError
     if tier._aio is not None:
         try:
             fut = tier._aio.submit_preadv(handle, [j.buf for j in run], spec.row_offset(ref.row))
-            nbytes = await _request_done(fut)
+            return await _request_done(fut)
         except Exception as err:
-            nbytes = _files.read_failure(err)
-    else:
-        nbytes, _ = await tier._run(_files.read_run, tier._row_io, handle, spec, run)
-    return await tier._run_checksum(_files.verify_run, spec, run, nbytes)
+            return _files.read_failure(err)
+    nbytes, _ = await tier._run(_files.read_run, tier._row_io, handle, spec, run)
+    return nbytes
 
 
 async def scan(tier: TierState) -> None:

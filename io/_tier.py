@@ -675,6 +675,9 @@ class NVMeTier:
         Each item is ``(key, slot_buf)``; the row lands in
         ``slot_buf[:row_nbytes]`` (4 KiB-aligned address, writable).
         Consecutive rows are read with one ``preadv`` of at most ``request_nbytes``.
+        When such a request of several rows fails (EIO, a short read), each
+        row it did not read in full is read again alone, once: only a row
+        whose own read fails, or that does not verify, fails.
 
         Returns:
             Per row the stored range ``(start, stop)``, or a

@@ -510,3 +510,63 @@ async def test_close_releases_everything_when_the_final_fdatasync_fails(tmp_path
     assert engine.stats().nvme is not None
     async with kvtier.TransferEngine(layout, cfg) as again:  # the namespace lock was released
         assert again.lookup([key("dirty", 0)]) != [kvtier.Residency.PENDING]
+
+
+@pytest.mark.parametrize("call", ["load", "prefetch"])
+@pytest.mark.parametrize("times", [1, 2, 1 << 30], ids=["one-shot", "through-retry", "persistent"])
+async def test_an_eio_on_one_row_of_a_coalesced_read_costs_at_most_that_row(
+    tmp_path: Path, call: str, times: int
+) -> None:
+    from tests.reliability._faultio import KeyFault, Wrapper
+
+    t = torch.empty((16, 8192), dtype=torch.uint8)
+    fill_random(t, 3)
+    before = t.clone()
+    layout = kvtier.KVLayout.from_tensors({0: {"a": t}})
+    chunks = [kvtier.Chunk(key(i, 0), [2 * i, 2 * i + 1]) for i in range(6)]
+    bad = chunks[3].key
+    # times=1: only the coalesced request fails; 2: also the row's own retry; then it is gone
+    wrapper = Wrapper()
+
+    def config(wrap: Any = None) -> kvtier.EngineConfig:
+        nv = kvtier.NVMeConfig(
+            root=tmp_path,
+            capacity_bytes=16 << 20,
+            namespace="isolate",
+            segment_nbytes=1 << 20,
+            row_io_wrapper=wrap,
+        )
+        return kvtier.EngineConfig(1 << 20, 2, nvme=nv)
+
+    async with kvtier.TransferEngine(layout, config()) as engine:
+        await engine.store(chunks, durable=True)
+    t.zero_()
+    lost = {bad} if times > 1 else set()
+    async with kvtier.TransferEngine(layout, config(wrapper)) as engine:
+        wrapper.faults.append(KeyFault("read", "errno", frozenset({bad.block_hash}), times=times))
+        if call == "load":
+            out = await engine.load(chunks)
+            assert set(out.loaded) == {c.key for c in chunks} - lost
+            failed = dict(out.failed)
+        else:
+            res = await engine.prefetch([c.key for c in chunks])
+            assert set(res.promoted) == {c.key for c in chunks} - lost
+            failed = dict(res.failed)
+            out = await engine.load(chunks)  # CPU hits, no read
+            assert set(out.loaded) == set(res.promoted)
+        assert set(failed) == lost
+        for err in failed.values():
+            assert isinstance(err, StorageError)
+            assert err.kind == "eio"
+        stats = engine.stats()
+        assert stats.nvme["read_requests"] == 1 + 6  # one coalesced request, then row by row
+        assert stats.failures == ({"eio": 1} if lost else {})
+        want = [kvtier.Residency.MISS if c.key in lost else kvtier.Residency.CPU for c in chunks]
+        assert engine.lookup([c.key for c in chunks]) == want
+    good = [b for c in chunks if c.key not in lost for b in c.block_ids]
+    assert same(t[good], before[good])
+    async with kvtier.TransferEngine(layout, config()) as engine:  # restarted, fault gone
+        want = [kvtier.Residency.MISS if c.key in lost else kvtier.Residency.NVME for c in chunks]
+        assert engine.lookup([c.key for c in chunks]) == want
+        out = await engine.load(chunks)
+        assert set(out.loaded) == {c.key for c in chunks} - lost

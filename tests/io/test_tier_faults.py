@@ -184,6 +184,75 @@ async def test_read_faults_fail_only_affected_keys(open_tier, slots, fault, kind
     assert not tier.contains(key(2))
 
 
+SIX = 6  # rows of one coalesced read request (6 * 20 KiB < request_nbytes)
+
+
+def _on_row(i: int):
+    """Match a request whose bytes overlap row ``i`` of group 0's first segment."""
+    start, stop = _row_offset(i), _row_offset(i + 1)
+    return lambda op, off, n: off < stop and off + n > start
+
+
+@pytest.mark.parametrize("action", ["errno", "short"])
+async def test_a_failed_coalesced_read_is_retried_row_by_row_once(open_tier, slots, action) -> None:
+    # one-shot: the coalesced request fails (EIO, or a short read ending in row 2), its retries not
+    fault = Fault("preadv", action, err=errno.EIO, keep=2 * ROW0 + 4096, times=1, match=_on_row(3))
+    wrap, holder = _wrapped([fault])
+    tier = await open_tier(row_io_wrapper=wrap)
+    await _fill(tier, slots, SIX)
+    holder[0].reset()
+    assert await _read_all(tier, slots, SIX) == [(0, 4)] * SIX
+    retried = range(SIX) if fault.action == "errno" else range(2, SIX)  # the rows not read
+    assert holder[0].preadv_calls == [(_row_offset(0), SIX * ROW0)] + [
+        (_row_offset(i), ROW0) for i in retried
+    ]
+    st = tier.stats()
+    assert st["read_requests"] == 1 + len(retried)
+    assert sum(v for k, v in st.items() if k.startswith("failures_")) == 0
+    assert hashes(tier) == [f"hash-{i}".encode() for i in range(SIX)]
+
+
+@pytest.mark.parametrize("times", [2, 1_000_000], ids=["transient", "persistent"])
+async def test_eio_on_one_row_of_a_coalesced_read_loses_only_that_row(
+    open_tier, slots, times
+) -> None:
+    # transient: the coalesced request and the row's own retry fail, then the fault is gone
+    fault = Fault("preadv", "errno", err=errno.EIO, times=times, match=_on_row(3))
+    wrap, _ = _wrapped([fault])
+    tier = await open_tier(row_io_wrapper=wrap)
+    await _fill(tier, slots, SIX)
+    results = await _read_all(tier, slots, SIX)
+    assert [isinstance(r, tuple) for r in results] == [True, True, True, False, True, True]
+    assert isinstance(results[3], StorageError)
+    assert results[3].kind == "eio"
+    st = tier.stats()
+    assert st["failures_eio"] == 1
+    assert st["read_requests"] == 1 + SIX
+    assert hashes(tier) == [f"hash-{i}".encode() for i in range(SIX) if i != 3]
+    # the healthy rows still load (one coalesced request each side of the dropped row)
+    again = await _read_all(tier, slots, SIX)
+    assert [isinstance(r, tuple) for r in again] == [True, True, True, False, True, True]
+    assert again[3].kind == "missing"
+    await tier.close()
+    tier2 = await open_tier()  # restarted, the fault gone
+    assert hashes(tier2) == [f"hash-{i}".encode() for i in range(SIX) if i != 3]
+    after = await _read_all(tier2, slots, SIX)
+    assert [isinstance(r, tuple) for r in after] == [True, True, True, False, True, True]
+    assert after[3].kind == "missing"
+
+
+async def test_a_checksum_failure_in_a_coalesced_read_is_not_retried(open_tier, slots) -> None:
+    wrap, holder = _wrapped([])
+    tier = await open_tier(row_io_wrapper=wrap)
+    await _fill(tier, slots, SIX)
+    _flip(_segment(tier), _row_offset(4) + 100)  # row 4, payload
+    holder[0].reset()
+    results = await _read_all(tier, slots, SIX)
+    assert [isinstance(r, tuple) for r in results] == [True] * 4 + [False, True]
+    assert results[4].kind == "checksum"
+    assert holder[0].preadv_calls == [(_row_offset(0), SIX * ROW0)]  # the request succeeded
+
+
 async def test_torn_write_is_detected_on_read(open_tier, slots) -> None:
     torn = Fault("pwritev", "torn", keep=4 * 4096, match=lambda op, off, n: off == _row_offset(1))
     wrap, _ = _wrapped([torn])

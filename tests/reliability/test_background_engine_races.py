@@ -1010,7 +1010,7 @@ async def test_stats_stay_consistent_after_read_and_write_failures_and_bad_input
         layout, _cfg(layout, 4, _nvme(tmp_path, wrapper=wrap))
     ) as engine:
         t[20:24] = 0
-        # (one call each: two rows of one coalesced read request would fail together)
+        # (one call each: a request of one row fails its key at once, with no retry)
         res = await engine.load([kvtier.Chunk(bad_read, [20, 21])])
         assert res.loaded == ()
         assert isinstance(res.failed[bad_read], StorageError)

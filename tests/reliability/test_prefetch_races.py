@@ -612,7 +612,7 @@ async def test_read_error_fails_only_its_key_and_no_wrong_bytes_later(
         assert gpu.holds(bad)
 
 
-async def test_short_read_in_a_coalesced_request_keeps_the_rows_before_the_cut(
+async def test_short_read_in_a_coalesced_request_retries_the_rows_after_the_cut(
     tmp_path: Path,
 ) -> None:
     gpu = Gpu()
@@ -620,6 +620,7 @@ async def test_short_read_in_a_coalesced_request_keeps_the_rows_before_the_cut(
     keys = keys_of(chunks)
     await on_nvme(gpu, tmp_path, chunks)  # one batch: rows 0..4 in store order
     target = chunks[2]
+    # every request holding the target row is cut 100 bytes into it
     fault = KeyFault("read", "short", hashes=frozenset({target.key.block_hash}), keep=100)
     async with kvtier.TransferEngine(
         gpu.layout, config(gpu, tmp_path, wrapper=Wrapper(fault))
@@ -628,21 +629,22 @@ async def test_short_read_in_a_coalesced_request_keeps_the_rows_before_the_cut(
         partition(res, keys)
         stats = eng.stats()
         assert stats.nvme is not None
-        assert stats.nvme["read_requests"] == 1  # one coalesced preadv
-        assert set(res.promoted) == set(keys[:2])
-        assert set(res.failed) == set(keys[2:])
-        assert all(
-            isinstance(e, StorageError) and e.kind == "short_read" for e in res.failed.values()
-        )
-        assert eng.lookup(keys[2:]) == [kvtier.Residency.MISS] * 3
-        assert stats.nvme["promotion_failures"] == 3
-        assert stats.failures == {"short_read": 3}
+        # one coalesced preadv, then rows 2, 3 and 4 (not read in full) alone
+        assert stats.nvme["read_requests"] == 1 + 3
+        assert set(res.promoted) == set(keys) - {target.key}
+        assert set(res.failed) == {target.key}
+        err = res.failed[target.key]
+        assert isinstance(err, StorageError)
+        assert err.kind == "short_read"
+        assert eng.lookup([target.key]) == [kvtier.Residency.MISS]
+        assert stats.nvme["promotion_failures"] == 1
+        assert stats.failures == {"short_read": 1}
         settled(stats)
         gpu.scribble()
         out = await eng.load(chunks)
-        assert set(out.loaded) == set(keys[:2])
-        assert all(gpu.holds(c) for c in chunks[:2])
-        assert all(gpu.untouched(c) for c in chunks[2:])
+        assert set(out.loaded) == set(keys) - {target.key}
+        assert all(gpu.holds(c) for c in chunks if c is not target)
+        assert gpu.untouched(target)
 
 
 async def test_corrupt_trailer_and_eio_in_one_call_with_concurrent_load(tmp_path: Path) -> None:
@@ -1342,7 +1344,9 @@ async def _soak(tmp_path: Path, seed: int, close: bool | None) -> None:
         stats = eng.stats()
         settled(stats)
         assert loads_checked > 20
-        assert eio.hits <= stats.failures.get("eio", 0) <= 2 * eio.hits  # 2 rows a request
+        # a failed key's own read failed; a failed request of 2 rows is retried row by row,
+        # so each failure but maybe the last follows at most one other hit
+        assert (eio.hits - 1) // 2 <= stats.failures.get("eio", 0) <= eio.hits
         if closing is None:  # a closed engine reports no NVMe counters
             assert stats.nvme is not None
             assert sum(stats.failures.values()) == stats.nvme["promotion_failures"]
