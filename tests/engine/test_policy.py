@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
 import torch
 
 import kvtier
-from kvtier._policy import ARCPolicy, LRUPolicy
+from kvtier._policy import ARCPolicy, EvictionPolicy, LRUPolicy, make_policy
 from kvtier._slots import SlotPool
+from kvtier.errors import ConfigError
 from tests.engine.helpers import key
 
 
@@ -127,3 +131,119 @@ def test_refresh_moves_a_key_within_its_own_arc_list_and_falls_back_to_touch() -
     pool.commit(key(0, 0))
     pool.refresh(key(0, 0))
     assert policy.touched == [key(0, 0)]
+
+
+class PolicyConformance:
+    """The contract of :class:`kvtier._policy.EvictionPolicy`, run against every policy.
+
+    A subclass sets ``make(capacity)``. Each test holds for any policy the
+    slot pool may be given: the candidates are exactly the resident keys, each
+    once; hints and touches of absent keys make nothing resident; listing the
+    candidates changes nothing; with no eviction history, keys never touched
+    go before touched ones, oldest first.
+    """
+
+    def make(self, capacity: int) -> EvictionPolicy:
+        raise NotImplementedError
+
+    def test_is_an_eviction_policy(self) -> None:
+        assert isinstance(self.make(4), EvictionPolicy)
+
+    @pytest.mark.parametrize("seed", range(20))
+    def test_candidates_are_exactly_the_resident_keys(self, seed: int) -> None:
+        rng = random.Random(seed)
+        capacity = 6
+        policy = self.make(capacity)
+        resident: set[object] = set()
+        hints = ("refresh", "insert_hint", "first_use")
+        for _ in range(300):
+            k = key(rng.randrange(12), 0)
+            op = rng.choice(["insert", "touch", "remove", "evict", *hints])
+            if op == "insert" or (op == "insert_hint" and not hasattr(policy, op)):
+                if k not in resident and len(resident) >= capacity:
+                    victim = next(iter(policy.candidates()))
+                    policy.remove(victim, evicted=True)
+                    resident.discard(victim)
+                policy.insert(k)
+                resident.add(k)
+            elif op == "insert_hint":
+                if k not in resident and len(resident) >= capacity:
+                    continue
+                policy.insert_hint(k)  # type: ignore[attr-defined]
+                resident.add(k)
+            elif op in ("remove", "evict"):
+                policy.remove(k, evicted=op == "evict")
+                resident.discard(k)
+            elif hasattr(policy, op):
+                getattr(policy, op)(k)  # a hit or a hint: residency unchanged
+            else:
+                policy.touch(k)
+            listed = list(policy.candidates())
+            assert len(listed) == len(set(listed)), (seed, op)
+            assert set(listed) == resident, (seed, op)
+
+    def test_touch_and_hints_of_an_absent_key_make_nothing_resident(self) -> None:
+        policy = self.make(4)
+        policy.insert(key(0, 0))
+        for op in ("touch", "refresh", "first_use"):
+            if hasattr(policy, op):
+                getattr(policy, op)(key(9, 0))
+        policy.remove(key(8, 0), evicted=True)  # absent: no error, no change
+        assert list(policy.candidates()) == [key(0, 0)]
+
+    def test_listing_candidates_changes_nothing(self) -> None:
+        policy = self.make(8)
+        for i in range(5):
+            policy.insert(key(i, 0))
+        policy.touch(key(2, 0))
+        first = list(policy.candidates())
+        assert list(policy.candidates()) == first
+        next(iter(policy.candidates()))  # a partly consumed iterator
+        assert list(policy.candidates()) == first
+
+    def test_untouched_keys_go_first_oldest_first(self) -> None:
+        policy = self.make(8)
+        for i in range(5):
+            policy.insert(key(i, 0))
+        policy.touch(key(1, 0))
+        policy.touch(key(3, 0))
+        listed = list(policy.candidates())
+        assert listed[:3] == [key(0, 0), key(2, 0), key(4, 0)]
+        assert set(listed[3:]) == {key(1, 0), key(3, 0)}
+
+    def test_an_inserted_key_that_is_resident_again_is_listed_once(self) -> None:
+        policy = self.make(4)
+        policy.insert(key(0, 0))
+        policy.insert(key(0, 0))
+        policy.remove(key(0, 0), evicted=True)
+        policy.insert(key(0, 0))
+        assert list(policy.candidates()) == [key(0, 0)]
+
+    def test_the_pool_evicts_its_first_candidate_that_is_not_pinned(self) -> None:
+        policy = self.make(3)
+        pool = SlotPool(3, policy)
+        keys = [key(i, 0) for i in range(4)]
+        for k in keys[:3]:
+            entries, _, _ = pool.reserve([(k, 0, 1, 8)], protect=set())
+            pool.commit(entries[0].key)
+        pool.pin(keys[0])
+        expected = next(k for k in policy.candidates() if k != keys[0])
+        _, rejected, evicted = pool.reserve([(keys[3], 0, 1, 8)], protect=set())
+        assert not rejected
+        assert evicted == [expected]
+        assert pool.get(keys[0]) is not None
+
+
+class TestLRUPolicy(PolicyConformance):
+    def make(self, capacity: int) -> EvictionPolicy:
+        return make_policy("lru", capacity)
+
+
+class TestARCPolicy(PolicyConformance):
+    def make(self, capacity: int) -> EvictionPolicy:
+        return make_policy("arc", capacity)
+
+
+def test_an_unknown_policy_name_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="unknown eviction policy"):
+        make_policy("fifo", 4)
