@@ -1,4 +1,4 @@
-"""Review of documented claims (README "Using it", command line, "Guarantees"; docs/DESIGN.md).
+"""Documented claims (README "Using it", command line, "Guarantees"; docs/DESIGN.md).
 
 Each test names the claim it checks and where it is stated. A claim that does
 not hold is a strict xfail whose reason says how the code differs. Async tests
@@ -1159,10 +1159,10 @@ def test_builtin_layouts_have_the_documented_groups() -> None:
 # "layers of one kind share KV cache groups, split to equal layer counts as
 # vLLM does". vLLM's rule (_get_kv_cache_groups_uniform_page_size): group size
 # = the smallest layer count, or the largest when below 1.25x the smallest; a
-# kind of n layers makes ceil(n / size) groups taking its layers in turn. The
-# review found the bench grouping by the gcd of the counts instead (13 full +
-# 12 sliding layers made 25 groups of one layer); fixed in session 13. The
-# expected groups below are worked out by hand from vLLM's rule.
+# kind of n layers makes ceil(n / size) groups taking its layers in turn, not
+# groups by the gcd of the counts (13 full + 12 sliding layers would make 25
+# groups of one layer). The expected groups below are worked out by hand from
+# vLLM's rule.
 
 
 @pytest.mark.parametrize(

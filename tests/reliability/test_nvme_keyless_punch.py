@@ -1,35 +1,32 @@
-"""Break-it review: a keyless group punches other groups' rows on a full filesystem (session 16).
+"""A keyless group punches other groups' rows on a full filesystem.
 
-The change (bb66358, e3e16b3): a write whose group has no key of its own to
+A write whose group has no key of its own to
 take when its segments cannot grow (ENOSPC below ``capacity_bytes``) punches
 free rows of other groups, then evicts and punches their least recently used
 evictable keys (``RowIndex.take_for_disk``), enough for one row
 (``RowIndex.growth_nbytes``), and grows again (``_batches._on_full_disk``);
 skipped where punching is unsupported, and after ``_PUNCH_MISSES`` rounds in a
-row that gave the growth nothing (``tier._punch_frees``). (The review ran on
-that first version, which also skipped where ``statvfs`` showed the room; the
-fixes of its findings dropped that check, serialize rows that punch for room
-with allocations once the filesystem was full (``tier._punch_lock``), punch up
-to two rounds of keys per row, keep rows found by ``lseek`` as "unsure", and
-turn punching back on after any allocation succeeds; a second review,
-``test_nvme_punch_lock.py``, replaced the "unsure" rows by punching them at
-open.) At open, rows the
-extents do not cover whole count as punched (``_files._rows_without_blocks``),
-by ``lseek(SEEK_DATA)`` where FIEMAP is not answered (``_files.data_extents``,
-tmpfs). A write that fails with 'enospc' or 'short_write' punches its row
+row that gave the growth nothing (``tier._punch_frees``), until any
+allocation succeeds again. Rows that punch for room are serialized with
+allocations once the filesystem was full (``tier._punch_lock``) and punch up
+to two rounds of keys per row. At open, rows the extents do not cover whole
+count as punched (``_files._rows_without_blocks``), by ``lseek(SEEK_DATA)``
+where FIEMAP is not answered (``_files.data_extents``, tmpfs), and the free
+rows ``lseek`` cannot vouch for are punched (``test_nvme_punch_lock.py``). A
+write that fails with 'enospc' or 'short_write' punches its row
 (``RowIndex.fail_write(hole=True)``).
 
 Real seams only: small real tmpfs and ext4 loop mounts (root only; skipped
 elsewhere), another tenant that fills the filesystem from the test (or, at the
 moment a growth allocates, from a ``row_io_wrapper`` RowIO wrapper), the
-defer14 RowIO wrapper with wrapped segment handles whose ``fd`` fails or waits
-when ``_files._punch_hole`` asks for it (the only seam of a punch: it calls
-``fallocate`` through libc, not through the RowIO), held row reads (pins), and
-a real child process killed with SIGKILL
+``_Rig14`` RowIO wrapper of test_nvme_late_reservation.py with wrapped segment
+handles whose ``fd`` fails or waits when ``_files._punch_hole`` asks for it
+(the only seam of a punch: it calls ``fallocate`` through libc, not through
+the RowIO), held row reads (pins), and a real child process killed with SIGKILL
 (``python -m tests.reliability.test_nvme_keyless_punch crash ROOT LOG``).
 
-A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; a "Fixed in session
-16" comment heads a test that was one and failed before its fix.
+A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; a "Regression"
+comment heads a test that guards against a bug the tier once had.
 """
 
 from __future__ import annotations
@@ -105,7 +102,7 @@ class _PunchHandle(_Handle):
 
 
 class _PunchRig(_Rig14):
-    """The defer14 rig with wrapped handles, plus: ``punch_faults`` punches fail with
+    """The ``_Rig14`` rig with wrapped handles, plus: ``punch_faults`` punches fail with
     ``punch_errno``; ``hold_punch``: the next punch waits for ``punch_release``;
     ``tenant``: a folder that another tenant fills to the last page right before every
     growth allocates (it takes what a punch gave back)."""
@@ -168,11 +165,11 @@ def _row_blocks(tier: NVMeTier) -> int:
 # ====================================================================== bugs
 
 
-# Fixed in session 16 (was a strict xfail of this review): after a reopen on tmpfs,
-# _files.data_extents (lseek SEEK_DATA) reports fallocated but never written free rows as
-# holes, RowIndex.rebuild counted them punched, RowIndex.take_for_disk(keys=False) skipped
-# them, and _on_full_disk evicted other groups' KEYS while those rows held a whole step of
-# pages. Now the open punches such free rows (_batches._punch_unsure).
+# Regression: after a reopen on tmpfs, _files.data_extents (lseek SEEK_DATA) reports
+# fallocated but never written free rows as holes; RowIndex.rebuild counts them punched and
+# RowIndex.take_for_disk(keys=False) skips them, so _on_full_disk must not evict other groups'
+# KEYS while those rows hold a whole step of pages. The open punches such free rows
+# (_batches._punch_unsure).
 async def test_bug_after_a_reopen_on_tmpfs_a_keyless_group_evicts_keys_while_free_rows_hold_pages(
     tmpfs, slots
 ) -> None:
@@ -204,10 +201,10 @@ async def test_bug_after_a_reopen_on_tmpfs_a_keyless_group_evicts_keys_while_fre
         await tier.close()
 
 
-# Fixed in session 16 (was a strict xfail of this review): tier._punch_frees, once False,
-# stayed False for the tier's lifetime, so after another tenant had twice taken what the
-# punches gave back, a group with no key failed every write for good again. Now any later
-# allocation that succeeds (a growth, or a punched row's blocks) turns punching back on.
+# Regression: tier._punch_frees, once False, does not stay False for the tier's lifetime,
+# where after another tenant has twice taken what the punches gave back, a group with no key
+# fails every write for good again. Any later allocation that succeeds (a growth, or a punched
+# row's blocks) turns punching back on.
 async def test_bug_a_tenant_that_took_the_punched_space_twice_disables_punching_for_good(
     tmpfs, slots
 ) -> None:
@@ -245,11 +242,10 @@ async def test_bug_a_tenant_that_took_the_punched_space_twice_disables_punching_
         await tier.close()
 
 
-# Fixed in session 16 (was a strict xfail of this review): the blocks punched for one
-# keyless group's row were not that row's: another keyless group's concurrent growth took
-# them, the row failed with 'enospc' and counted as a miss. Now rows punch for room one at
-# a time (tier._punch_lock, the growth inside it), and a row may punch a second round of
-# keys when a growth tried before another row's punch took the first.
+# Regression: the blocks punched for one keyless group's row are that row's: another keyless
+# group's concurrent growth must not take them, failing the row with 'enospc' (a miss). Rows
+# punch for room one at a time (tier._punch_lock, the growth inside it), and a row may punch
+# a second round of keys when a growth tried before another row's punch took the first.
 async def test_bug_concurrent_keyless_groups_take_each_others_punched_space(tmpfs, slots) -> None:
     """Three times, on a fresh tier: group A fills the 1 MiB tmpfs with keys, then four
     groups with no key (rows of 8, 8, 40 and 8 KiB) write 2-4 keys each in four
@@ -281,7 +277,7 @@ async def test_bug_concurrent_keyless_groups_take_each_others_punched_space(tmpf
     assert frees == [True] * 3
 
 
-# ====================================================================== what held
+# ===================================================================== what holds
 
 
 async def test_concurrent_keyless_groups_with_many_keys_while_reads_pin_the_oldest(

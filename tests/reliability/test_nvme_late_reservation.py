@@ -1,6 +1,6 @@
-"""Break-it review: the NVMe tier's late reservation and punched-row fill (session 14).
+"""The NVMe tier's late reservation and punched-row fill.
 
-The change (263cdc3, 3603f0a, 5930e6f): a punched free row is handed to a
+A punched free row is handed to a
 write only after ``posix_fallocate`` gave its blocks back (``_files.fill_row``),
 free rows that hold blocks go first (``RowIndex.take_free(holes=False)``,
 ``RowIndex.has_row``); a write whose group has no row at hand reserves its
@@ -10,15 +10,15 @@ room only after its group grew (``reserve(evict_others=False)``,
 own group's least recently used key alone (``evict_own(reserved=False)``).
 
 Real seams only: ``row_io_wrapper`` RowIO wrappers around the real backend
-(the diskfull13 ``_Rig``: ENOSPC/EDQUOT/EIO on growth, EIO on row writes, held
+(the ``_Rig`` of test_nvme_disk_full.py: ENOSPC/EDQUOT/EIO on growth, EIO on row writes, held
 blanking writes and reads; here also held or slowed growth, an EIO from a
 punched row's allocation through the backend's file handle, and a check after
 every row write of what a restart would find on disk), small real tmpfs and
 ext4 mounts (root only; skipped elsewhere), and a real child process killed
 with SIGKILL (``python -m tests.reliability.test_nvme_late_reservation crash ROOT LOG``).
 
-A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; a "Fixed in session
-14" comment heads a test that was one and failed before its fix.
+A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; a "Regression"
+comment heads a test that guards against a bug the tier once had.
 """
 
 from __future__ import annotations
@@ -126,8 +126,9 @@ class _Handle:
 
 
 class _Rig14(_Rig):
-    """The diskfull13 rig, plus: growth held (``hold_alloc``) or slowed (``alloc_delay``);
-    ``fill_faults`` EIOs on a punched row's allocation (handles wrapped, ``wrap=True``);
+    """The rig of test_nvme_disk_full.py, plus: growth held (``hold_alloc``) or slowed
+    (``alloc_delay``); ``fill_faults`` EIOs on a punched row's allocation (handles
+    wrapped, ``wrap=True``);
     ``watch``: after every row write (row writes serialized), the row bytes a restart
     would find on disk, their maximum in ``worst``."""
 
@@ -212,14 +213,14 @@ def _full_tier_kw(holder: list[_Rig14], rows: int, **over: Any) -> dict[str, Any
     return {"capacity_bytes": rows * ROW[A], "row_io_wrapper": _rig14(holder), **over}
 
 
-# ====================================================================== bugs
+# =============================================================== regressions
 
 
-# Fixed in session 14 (was a strict xfail): the late reservation of a write whose group had no
-# row at hand protected only the keys of its own GROUP (the group's jobs that _write_group
-# passed), not the keys of its write_rows call: it evicted the resident old version of a key
-# the same call rewrote in another group, and when that rewrite failed (EIO) the key was gone.
-# Now write_batch builds the call's key set once and both reservations protect it
+# Regression: the late reservation of a write whose group has no row at hand protects the keys
+# of its write_rows call, not only those of its own GROUP (the group's jobs that _write_group
+# passes): it must not evict the resident old version of a key the same call rewrites in
+# another group, or the key is gone when that rewrite fails (EIO). write_batch builds the
+# call's key set once and both reservations protect it
 async def test_bug_a_late_reservation_evicts_a_key_its_own_call_rewrites(tmp_path, slots) -> None:
     holder: list[_Rig14] = []
     tier = await _open(tmp_path / "nvme", EQ3, **_full_tier_kw(holder, 4, eviction_window=1))
@@ -242,12 +243,12 @@ async def test_bug_a_late_reservation_evicts_a_key_its_own_call_rewrites(tmp_pat
     assert keys == {b0, a0, x}  # c0, the least recently used key outside the call, went
 
 
-# Fixed in session 14 (was a strict xfail): a write that found no room in capacity_bytes (a row
-# larger than capacity_bytes, or every other key pinned by reads) and whose group had no free
-# row was deferred and grew its group first: when that growth failed it reported the growth's
-# error ('enospc', 'eio') instead of 'capacity', and on a healthy filesystem it allocated rows
-# for a key that could not be stored. Now RowIndex.reserve(evict_others=False) tells "no room"
-# (False, None) from "room needs other groups' keys" (False, DEFERRED); only the latter waits
+# Regression: a write that finds no room in capacity_bytes (a row larger than capacity_bytes,
+# or every other key pinned by reads) and whose group has no free row reports 'capacity'; it is
+# not deferred to grow its group first, reporting the growth's error ('enospc', 'eio') when
+# that fails, or allocating rows on a healthy filesystem for a key that cannot be stored.
+# RowIndex.reserve(evict_others=False) tells "no room" (False, None) from "room needs other
+# groups' keys" (False, DEFERRED); only the latter waits
 @pytest.mark.parametrize("why", ["too_big", "pinned"])
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO])
 async def test_bug_no_room_is_reported_as_the_failed_growth(tmp_path, slots, why, err) -> None:
@@ -279,12 +280,11 @@ async def test_bug_no_room_is_reported_as_the_failed_growth(tmp_path, slots, why
     assert (res.kind, st["failures_capacity"]) == ("capacity", 1), res
 
 
-# Was a strict xfail of this review: on a full filesystem at capacity_bytes with unequal rows,
-# a 40 KiB write whose least recently used keys are one 8 KiB key then a 40 KiB key evicts BOTH,
-# where the README said 'one key per new row, of the writer's group'. That is strict LRU with
-# unequal rows (the 8 KiB key is older), and the same on a healthy filesystem: the write takes
-# the 40 KiB key's row and grows nothing. The README now says so; this test checks that a full
-# filesystem evicts exactly what a healthy one does.
+# On a full filesystem at capacity_bytes with unequal rows, a 40 KiB write whose least recently
+# used keys are one 8 KiB key then a 40 KiB key evicts BOTH, not 'one key per new row, of the
+# writer's group'. That is strict LRU with unequal rows (the 8 KiB key is older), and the same
+# on a healthy filesystem: the write takes the 40 KiB key's row and grows nothing. The README
+# says so; this test checks that a full filesystem evicts exactly what a healthy one does.
 @pytest.mark.parametrize("full", [False, True])
 async def test_unequal_rows_evict_in_strict_lru_order_whether_the_filesystem_is_full_or_not(
     tmp_path, slots, full
@@ -365,10 +365,10 @@ async def test_late_evictions_are_blank_before_the_deferred_row_is_written(tmp_p
 
 async def test_write_without_room_fails_with_capacity_before_any_growth(tmp_path, slots) -> None:
     """Every key of a full tier is being read: a write of a group with no free row finds no
-    room: 'capacity', nothing grown (the review's version of this test saw one growth, made
-    before the fix of test_bug_no_room_is_reported_as_the_failed_growth), nothing evicted,
-    no capacity leaked; once the reads are done the next write of that group grows once and
-    evicts one key."""
+    room: 'capacity', nothing grown (no growth ahead of the check, see
+    test_bug_no_room_is_reported_as_the_failed_growth), nothing evicted, no capacity
+    leaked; once the reads are done the next write of that group grows once and evicts
+    one key."""
     holder: list[_Rig14] = []
     tier = await _open(tmp_path / "nvme", EQ3, **_full_tier_kw(holder, 4, eviction_window=1))
     rig = holder[0]
@@ -511,7 +511,7 @@ async def test_full_tier_on_a_full_filesystem_evicts_its_own_groups_oldest_key_p
 
 async def _punched_group_a(tier: NVMeTier, buf: Slots) -> None:
     """Group A's free rows punched (the workload moved to B past the disk budget), every
-    free row of A without blocks (as in diskfull13's punched-row test)."""
+    free row of A without blocks (as in test_nvme_disk_full.py's punched-row test)."""
     ix = tier._index
     hot = [_key(i, A) for i in range(3)]
     await _write_each(tier, buf, [_key(i, A) for i in range(16)])
@@ -903,11 +903,11 @@ if __name__ == "__main__" and sys.argv[1:2] == ["crash"]:
 # ====================================================================== a small filesystem
 
 
-# Fixed in session 14 (found by a fresh user's trial, not a strict xfail before): on a small
-# filesystem the first growth step of one group (capacity_bytes / (4 x groups) of rows, here the
-# whole filesystem) left no room for another group's segment; that group had no key to take, so
-# every one of its rows failed with enospc, for good (a reopen did the same). Now a group grows
-# by a whole step only while the filesystem has four such steps free, else by one row.
+# Regression: on a small filesystem the first growth step of one group (capacity_bytes /
+# (4 x groups) of rows, here the whole filesystem) must leave room for another group's segment;
+# that group has no key to take, so every one of its rows would fail with enospc, for good (a
+# reopen too). A group grows by a whole step only while the filesystem has four such steps
+# free, else by one row.
 @pytest.mark.parametrize("grow_ahead", [False, True])
 async def test_one_groups_growth_step_never_takes_a_small_filesystem_from_another(
     tmpfs, slots, grow_ahead

@@ -1,22 +1,21 @@
-"""Break-it review, second pass: the punch lock and rows found by lseek (session 16, 13ba75d).
+"""The punch lock and rows found by lseek.
 
-The change (13ba75d, on e3e16b3 and 01236d9): a write whose group has no key
+A write whose group has no key
 of its own to take when its segments cannot grow (ENOSPC below
 ``capacity_bytes``) punches rows of other groups for one row under a tier-wide
 ``asyncio.Lock`` (``tier._punch_lock``, taken while the group's segment lock is
 held, ``_batches._on_full_disk`` -> ``_batches._punch_for_row``): up to four
-rounds of their free rows (``RowIndex.take_for_disk(keys=False, skip=...)``,
-rows found "unsure" at open by ``lseek`` last), each followed by a one-row
+rounds of their free rows (``RowIndex.take_for_disk(keys=False, skip=...)``),
+each followed by a one-row
 growth (``_grow_row``), then up to two rounds of their least recently used
 keys. Once the filesystem was seen full (``tier._disk_was_full``) every
 on-demand allocation (``_batches._allocate``: fill a punched row, or grow)
 runs under that lock too. Background growth ahead (``_grow_ahead``) does not.
 At open, rows the extents do not cover whole count as punched; where FIEMAP is
-not answered (tmpfs) ``lseek(SEEK_DATA)`` finds them and they are kept as
-"unsure" (``RowIndex._unsure``; after this review's finding, replaced by
-punching those free rows at open, ``_batches._punch_unsure``).
+not answered (tmpfs) ``lseek(SEEK_DATA)`` finds them, and the free rows it
+cannot vouch for are punched at open (``_batches._punch_unsure``).
 
-This pass looks at what ``test_nvme_keyless_punch.py`` did not: hangs between the
+Beyond ``test_nvme_keyless_punch.py``, these tests look at hangs between the
 punch lock, segment locks, growth ahead, growth futures (``tier._growing``),
 reads, discards, flushes, ``drain`` and ``close`` with many groups on a full
 tmpfs and a full ext4 whose other tenant frees and takes space; an EIO of the
@@ -27,14 +26,14 @@ while keyless groups punch with growth ahead on.
 
 Real seams only: small real tmpfs and ext4 loop mounts (root only; skipped
 elsewhere), another tenant that fills and frees the filesystem from the test,
-``row_io_wrapper`` RowIO wrappers (the punch16 ``_PunchRig``: wrapped segment
+``row_io_wrapper`` RowIO wrappers (the ``_PunchRig`` of test_nvme_keyless_punch.py: wrapped segment
 handles whose ``fd`` fails when ``_files._punch_hole`` asks for it; here also
 an EIO of the growth after a punch, and of blanking trailer writes), and a
 real child process killed with SIGKILL. Every wait is bounded
 (``asyncio.wait_for``): a hang fails the test.
 
-A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; a "Fixed in session
-16" comment heads a test that was one and failed before its fix.
+A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; a "Regression"
+comment heads a test that guards against a bug the tier once had.
 """
 
 from __future__ import annotations
@@ -122,7 +121,7 @@ class _Tenant:
 
 
 class _Rig16b(_PunchRig):
-    """The punch16 rig, plus: ``grow_eio``: the next growth (``allocate``) after a punch
+    """The ``_PunchRig`` rig, plus: ``grow_eio``: the next growth (``allocate``) after a punch
     fails with EIO; ``trailer_faults``: blanking trailer writes that fail with EIO."""
 
     def __init__(self, inner: RowIO) -> None:
@@ -164,7 +163,7 @@ def _check_found(
 
 
 async def _open16b(root: pathlib.Path, groups: dict[int, int]) -> tuple[NVMeTier, _Rig16b]:
-    """A tier (capacity_bytes 16 MiB) with this review's rig; the rig."""
+    """A tier (capacity_bytes 16 MiB) with the ``_Rig16b`` rig; the rig."""
     holder: list[_Rig16b] = []
     tier = await _open(root, groups, capacity_bytes=16 << 20, row_io_wrapper=_rig16b(holder))
     return tier, holder[0]
@@ -194,22 +193,21 @@ def _call_keys(
     return keys
 
 
-# ====================================================================== bugs
+# =============================================================== regressions
 
 
-# Fixed in session 16 (was a strict xfail of this review): after a reopen on tmpfs,
-# RowIndex.rebuild counted the fallocated but never written free rows that
-# _files.data_extents (lseek SEEK_DATA) reports as holes as punched, so held_nbytes left out
-# blocks the files held; take_to_punch skipped them and over_budget never saw them, and the
-# segment files held more than disk_budget_nbytes for good. Now the open punches those free
-# rows (_batches._punch_unsure), so the count is exact.
+# Regression: after a reopen on tmpfs, RowIndex.rebuild counts the fallocated but never
+# written free rows that _files.data_extents (lseek SEEK_DATA) reports as holes as punched;
+# held_nbytes must not then leave out blocks the files hold (take_to_punch skipping them and
+# over_budget never seeing them, the segment files would hold more than disk_budget_nbytes
+# for good). The open punches those free rows (_batches._punch_unsure), so the count is exact.
 async def test_after_a_reopen_on_tmpfs_the_files_hold_no_more_than_the_disk_budget(
     tmpfs, slots
 ) -> None:
     """A roomy tmpfs, capacity_bytes 1 MiB, two groups of 8 KiB rows (steps of 16 rows),
-    growth ahead on. Session 1: group A writes 9 keys (it grew ahead to 32 rows; B grew
-    its first step at open). Session 2 (reopen: 39 unwritten rows count as punched):
-    group B writes 300 keys. The blocks the segment files hold (st_blocks) should stay
+    growth ahead on. First open: group A writes 9 keys (it grew ahead to 32 rows; B grew
+    its first step at open). Second open (39 unwritten rows count as punched): group B
+    writes 300 keys. The blocks the segment files hold (st_blocks) should stay
     within the disk budget, as ``held_nbytes`` says they do, and stay so after a reopen."""
     mnt = tmpfs(32 << 20)
     root = mnt / "nvme"
@@ -236,7 +234,7 @@ async def test_after_a_reopen_on_tmpfs_the_files_hold_no_more_than_the_disk_budg
         await tier.close()
 
 
-# ====================================================================== what held
+# ===================================================================== what holds
 
 
 @pytest.mark.parametrize("fs", ["tmpfs", "ext4"])
@@ -334,7 +332,7 @@ async def test_an_eio_of_the_growth_inside_a_punch_round_stops_the_rounds(tmpfs,
         rig.grow_eio = True
         got = await asyncio.wait_for(tier.write_rows(_rows(buf, [_key("b0", B)])), 20)
         assert rig.grow_failed == 1
-        assert _kinds(got) == ["eio"]  # the growth's own error (was: the first one's, enospc)
+        assert _kinds(got) == ["eio"]  # the growth's own error, not the first one's (enospc)
         gone = [k for k in held_a if k not in set(tier.keys())]
         assert gone == held_a[:2]
         assert tier._punch_misses == 0

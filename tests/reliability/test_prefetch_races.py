@@ -1,4 +1,4 @@
-"""Adversarial review of ``TransferEngine.prefetch`` / ``BackgroundEngine.prefetch``.
+"""``TransferEngine.prefetch`` / ``BackgroundEngine.prefetch`` under races and faults.
 
 Races with loads, stores, other prefetches and ``aclose``; cancellation; read
 faults injected through a RowIO wrapper; a CPU tier too small; partial chunks;
