@@ -217,7 +217,6 @@ def _inspect_segment(
                                 "error": f"the file ends {cut} B into this row of {row} B",
                             }
                         )
-                reading.advance(st.st_size - allocated * row)  # the header and the cut row
                 info.update(
                     header_valid=True,
                     row_nbytes=row,
@@ -308,10 +307,12 @@ def _group_format(fmt: dict[str, Any] | None, digest: bytes | None, group_id: in
 def _inspect_group(
     group_dir: pathlib.Path, fmt: _GroupFormat, reading: _Reading | None
 ) -> dict[str, Any]:
-    segs = [
-        _inspect_segment(group_dir / f"{n}{SEGMENT_SUFFIX}", fmt, reading)
-        for n in list_segments(group_dir)
-    ]
+    segs = []
+    for n in list_segments(group_dir):
+        done = reading.done if reading is not None else 0
+        segs.append(_inspect_segment(group_dir / f"{n}{SEGMENT_SUFFIX}", fmt, reading))
+        if reading is not None:  # the header, a cut row, a segment not read: the file's size
+            reading.advance(max(0, segs[-1]["nbytes"] - (reading.done - done)))
     group = {
         "segments": segs,
         "rows": sum(s["rows"] for s in segs),

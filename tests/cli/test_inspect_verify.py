@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvtier.cli import main as cli_main
-from kvtier.io import NVMeTier
+from kvtier.io import NVMeTier, inspect_root
 from kvtier.io._format import HEADER_NBYTES, TRAILER_NBYTES, decode_trailer
 from tests.io.conftest import GROUP_NBYTES, Slots, key, payload, tier_kwargs
 
@@ -322,3 +322,21 @@ def test_progress_line_only_on_a_terminal_stderr_and_never_with_json(tmp_path) -
             assert err.endswith(b"\r")  # the line is erased at the end
         else:
             assert err == b""
+
+
+def test_progress_counts_the_segment_files_bytes_and_ends_at_their_total(tmp_path) -> None:
+    s = store(tmp_path)
+    patch(s.segment(2), 40, flip=True)  # a segment not read still counts as gone through
+    calls: list[tuple[int, int]] = []
+    inspect_root(tmp_path, progress=lambda done, total: calls.append((done, total)))
+    assert calls == []  # trailers only: no progress
+    info = inspect_root(
+        tmp_path, verify=True, progress=lambda done, total: calls.append((done, total))
+    )
+    size = sum(p.stat().st_size for p in s.directory.rglob("*.kvrows"))
+    assert calls[-1] == (size, size)
+    assert {total for _, total in calls} == {size}
+    assert [done for done, _ in calls] == sorted(done for done, _ in calls)
+    read = [seg for grp in groups(info).values() for seg in grp["segments"] if seg["header_valid"]]
+    assert len(read) == 2
+    assert len(calls) >= sum(seg["allocated_rows"] for seg in read)  # per row, not per file
