@@ -880,7 +880,11 @@ def test_inspect_and_remove_on_odd_roots(tmp_path: Path) -> None:
     res = runner.invoke(cli_main, ["inspect", str(empty)])
     assert res.exit_code == 1
     assert "no kvtier namespace folder" in res.output
-    assert inspect_root(empty) == {"root": str(empty), "namespaces": []}
+    assert inspect_root(empty) == {
+        "root": str(empty),
+        "namespaces": [],
+        "payloads_verified": False,
+    }
     res = runner.invoke(cli_main, ["remove", "--yes", str(empty), "nothing-0123456789abcdef"])
     assert res.exit_code == 1
     assert "no folder 'nothing-0123456789abcdef'" in res.output

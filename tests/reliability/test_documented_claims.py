@@ -169,7 +169,8 @@ def test_inspect_root_without_namespaces(tmp_path: Path) -> None:
     assert as_json.exit_code == 0, as_json.output
     data = json.loads(as_json.output)
     assert data["namespaces"] == []
-    assert set(data) == {"root", "namespaces"}
+    assert set(data) == {"root", "namespaces", "payloads_verified"}
+    assert data["payloads_verified"] is False
     assert Path(data["root"]) == tmp_path
 
 
