@@ -584,24 +584,25 @@ def test_every_check_compares_with_the_bytes_the_bench_generated(
     the last batch's slots into every batch's blocks, and the NVMe check then compared
     with that cache (chunks at one batch position held the same bytes). Every check
     now compares with the digests of the bytes the bench generated."""
-    import kvtier.bench as bench
     from kvtier._shapes import model_shape
+    from kvtier.bench import BenchConfig, copy_phases, data, nvme_phases, run_bench
 
     seen: list[tuple[int, list[int]]] = []
-    real = bench._digests
+    real = data._digests
 
     def digests(layout: Any) -> list[int]:  # every digest a check takes
         seen.append((layout.group(0).num_blocks, real(layout)))
         return seen[-1][1]
 
-    monkeypatch.setattr(bench, "_digests", digests)
-    cfg = bench.BenchConfig(
+    for module in (copy_phases, nvme_phases):  # the modules whose checks call it
+        monkeypatch.setattr(module, "_digests", digests)
+    cfg = BenchConfig(
         layout="llama-3-8b", size_bytes=1, blocks_per_chunk=1, batch_chunks=2, repeat=1,
         device="cpu", root=str(tmp_path), direct_io="off",
     )  # fmt: skip
     # 1 block per group is too few for 2 batches: ask for 6 blocks of llama (2 MiB each)
     cfg.size_bytes = 6 * model_shape("llama-3-8b").block_nbytes()
-    result = asyncio.run(bench.run_bench(cfg))
+    result = asyncio.run(run_bench(cfg))
     assert result["io"]["verified_repeats"] == 1
     generated = real(model_shape("llama-3-8b").build(6))
     assert len(seen) >= 6  # copy phases (4) and NVMe phases (1 + 2)
