@@ -64,12 +64,8 @@ figures, the loop-lag monitor, a timed pass of engine calls), ``baselines``,
 (the table, JSON and plot).
 """
 
-from kvtier.bench.baselines import _Baselines as _Baselines
 from kvtier.bench.config import BenchConfig
-from kvtier.bench.data import _batches as _batches
-from kvtier.bench.data import _chunks as _chunks
 from kvtier.bench.preflight import preflight
-from kvtier.bench.report import _size as _size
 from kvtier.bench.report import format_table, plot, to_json
 from kvtier.bench.run import bench_steps, run_bench
 
