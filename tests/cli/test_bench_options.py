@@ -344,7 +344,7 @@ def test_a_data_set_beyond_memory_is_a_one_line_error(
 
 def test_batch_chunks_larger_than_the_data_set_still_runs(tmp_path: Path) -> None:
     """Fixed bug: the torch-gather baseline sizes its region by --batch-chunks, not by
-    the chunks there are (bench.py _copy_phases), so a large --batch-chunks fails with
+    the chunks there are (bench/copy_phases.py _copy_phases), so a large --batch-chunks fails with
     ENOMEM."""
     res = _kvtier_limited("bench", *TINY, "--no-nvme", "--batch-chunks", "100000", cwd=tmp_path)
     assert "Traceback" not in res.stderr, res.stderr[-2000:]
@@ -406,7 +406,7 @@ def test_dir_on_a_read_only_filesystem_is_a_usage_error(tmp_path: Path) -> None:
 @needs_mount
 def test_a_read_only_current_folder_is_refused_before_the_run(tmp_path: Path) -> None:
     """Fixed bug: without --dir the current folder is never checked; mkdtemp fails after
-    the copy phases with a traceback (bench.py _nvme_phases)."""
+    the copy phases with a traceback (bench/nvme_phases.py _nvme_phases)."""
     rc, _out, err, _left = _bench_on_tmpfs(tmp_path / "ro", "size=8m,ro", "--size 4M --repeat 1")
     assert rc in (1, 2), err
     assert "Traceback" not in err, err[-2000:]

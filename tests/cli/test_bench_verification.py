@@ -108,7 +108,7 @@ def test_relative_json_and_plot_paths_in_the_cwd_overwrite_existing_files(
 
 @pytest.mark.parametrize("name", ["my-model [/v2]", "my-model [bold]x"])
 def test_a_layout_name_is_printed_verbatim(tmp_path: Path, name: str) -> None:
-    """Fixed bug: bench.py format_table puts the layout's name into a rich title
+    """Fixed bug: bench/report.py format_table puts the layout's name into a rich title
     unescaped: '[/v2]' raises MarkupError after the whole run ('[bold]' vanishes)."""
     spec = {"name": name, "layers": [{"kind": "full", "page_shape": [2, 16, 1, 64]}]}
     path = tmp_path / "layout.json"
@@ -158,7 +158,7 @@ def test_extreme_but_valid_layout_files_run_and_are_checked(
 
 @needs_mount
 def test_a_folder_with_little_free_space_but_enough_is_not_refused(tmp_path: Path) -> None:
-    """Fixed bug: bench.py preflight counts 256 MiB per group (need = 4 x rows + groups
+    """Fixed bug: bench/preflight.py preflight counts 256 MiB per group (need = 4 x rows + groups
     x 256 MiB = 1.5 GiB for --size 1M); the tier's first file per group is min(128 MiB,
     capacity / (4 x groups)) ~ 64 MiB, the run's peak is ~0.76 GiB, so a 1 GiB folder is
     refused."""
@@ -181,7 +181,7 @@ def _aio_available() -> bool:
 
 @pytest.mark.skipif(not _aio_available(), reason="needs Linux AIO")
 def test_the_aio_contexts_a_run_holds_are_checked_before_the_run(tmp_path: Path) -> None:
-    """Fixed bug: bench.py preflight opens ONE AIO context of 4 x io_threads events; the
+    """Fixed bug: bench/preflight.py preflight opens ONE AIO context of 4 x io_threads events; the
     run holds two at once (the baselines' and the tier's), so where only one fits in
     fs.aio-max-nr the run fails after the copy phases and raw baselines (io_setup EAGAIN
     at 'kvtier CPU -> NVMe')."""
@@ -284,7 +284,7 @@ def test_rows_written_corrupt_by_the_cpu_to_nvme_leg_fail_the_bench(
 def test_rows_written_corrupt_by_write_through_fail_the_bench(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Fixed bug: bench.py _nvme_phases never reads back the rows nvme_write_e2e wrote
+    """Fixed bug: bench/nvme_phases.py _nvme_phases never reads back the rows nvme_write_e2e wrote
     (the e2e root is removed unread): a write-through path writing wrong bytes is timed
     and reported as a good figure."""
     detected, hits = _bench_with_corrupt_writes(tmp_path, monkeypatch, f"-e2e{os.sep}")
@@ -306,7 +306,7 @@ def test_rows_written_corrupt_on_the_full_tier_fail_the_bench(
 def test_a_pipelined_load_that_writes_nothing_fails_the_bench(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Fixed bug: bench.py _copy_phases checks 'pipelined store -> load' on a cache the
+    """Fixed bug: bench/copy_phases.py _copy_phases checks 'pipelined store -> load' on a cache the
     load's own data already fill (no scribble before the load), so a pipelined load that
     writes nothing passes."""
     import kvtier

@@ -275,7 +275,7 @@ def test_bench_close_shuts_down_its_io_and_hash_pools(tmp_path: Path) -> None:
 def test_checksummed_raw_write_writes_its_bytes_under_python_dash_o(tmp_path: Path) -> None:
     """Was a bug (fixed): under ``python -O`` the raw baselines did no I/O at all.
 
-    ``_Baselines._sequential`` (engine/bench.py:292, :303) issues every
+    ``_Baselines._sequential`` (engine/bench/baselines.py) issues every
     request inside an ``assert``: ``assert op(h, [...], off) == size`` on the
     posix path and ``assert fut.result() == sizes[i]`` on the aio path.
     ``-O`` strips asserts, so the posix write/read is never made (the file
