@@ -344,7 +344,7 @@ def test_a_data_set_beyond_memory_is_a_one_line_error(
 
 def test_batch_chunks_larger_than_the_data_set_still_runs(tmp_path: Path) -> None:
     """Regression: the torch-gather baseline sizes its region by the chunks there are,
-    not by --batch-chunks (bench.py _copy_phases), so a large --batch-chunks does not
+    not by --batch-chunks (bench/copy_phases.py _copy_phases), so a large --batch-chunks does not
     fail with ENOMEM."""
     res = _kvtier_limited("bench", *TINY, "--no-nvme", "--batch-chunks", "100000", cwd=tmp_path)
     assert "Traceback" not in res.stderr, res.stderr[-2000:]
@@ -406,7 +406,8 @@ def test_dir_on_a_read_only_filesystem_is_a_usage_error(tmp_path: Path) -> None:
 @needs_mount
 def test_a_read_only_current_folder_is_refused_before_the_run(tmp_path: Path) -> None:
     """Regression: without --dir the current folder is checked before the run, so
-    mkdtemp does not fail after the copy phases with a traceback (bench.py _nvme_phases)."""
+    mkdtemp does not fail after the copy phases with a traceback
+    (bench/nvme_phases.py _nvme_phases)."""
     rc, _out, err, _left = _bench_on_tmpfs(tmp_path / "ro", "size=8m,ro", "--size 4M --repeat 1")
     assert rc in (1, 2), err
     assert "Traceback" not in err, err[-2000:]
@@ -584,24 +585,25 @@ def test_every_check_compares_with_the_bytes_the_bench_generated(
     generated. (The torch_gather load baseline, _torch_gather in _copy_phases, once
     wrote the last batch's slots into every batch's blocks, and the NVMe check
     compared with that cache: chunks at one batch position held the same bytes.)"""
-    import kvtier.bench as bench
     from kvtier._shapes import model_shape
+    from kvtier.bench import BenchConfig, copy_phases, data, nvme_phases, run_bench
 
     seen: list[tuple[int, list[int]]] = []
-    real = bench._digests
+    real = data._digests
 
     def digests(layout: Any) -> list[int]:  # every digest a check takes
         seen.append((layout.group(0).num_blocks, real(layout)))
         return seen[-1][1]
 
-    monkeypatch.setattr(bench, "_digests", digests)
-    cfg = bench.BenchConfig(
+    for module in (copy_phases, nvme_phases):  # the modules whose checks call it
+        monkeypatch.setattr(module, "_digests", digests)
+    cfg = BenchConfig(
         layout="llama-3-8b", size_bytes=1, blocks_per_chunk=1, batch_chunks=2, repeat=1,
         device="cpu", root=str(tmp_path), direct_io="off",
     )  # fmt: skip
     # 1 block per group is too few for 2 batches: ask for 6 blocks of llama (2 MiB each)
     cfg.size_bytes = 6 * model_shape("llama-3-8b").block_nbytes()
-    result = asyncio.run(bench.run_bench(cfg))
+    result = asyncio.run(run_bench(cfg))
     assert result["io"]["verified_repeats"] == 1
     generated = real(model_shape("llama-3-8b").build(6))
     assert len(seen) >= 6  # copy phases (4) and NVMe phases (1 + 2)

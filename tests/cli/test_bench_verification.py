@@ -107,7 +107,7 @@ def test_relative_json_and_plot_paths_in_the_cwd_overwrite_existing_files(
 
 @pytest.mark.parametrize("name", ["my-model [/v2]", "my-model [bold]x"])
 def test_a_layout_name_is_printed_verbatim(tmp_path: Path, name: str) -> None:
-    """Regression: bench.py format_table escapes the layout's name in its rich title:
+    """Regression: bench/report.py format_table escapes the layout's name in its rich title:
     '[/v2]' raises no MarkupError after the whole run, and '[bold]' does not vanish."""
     spec = {"name": name, "layers": [{"kind": "full", "page_shape": [2, 16, 1, 64]}]}
     path = tmp_path / "layout.json"
@@ -157,7 +157,7 @@ def test_extreme_but_valid_layout_files_run_and_are_checked(
 
 @needs_mount
 def test_a_folder_with_little_free_space_but_enough_is_not_refused(tmp_path: Path) -> None:
-    """Regression: bench.py preflight does not count 256 MiB per group (need = 4 x rows
+    """Regression: bench/preflight.py preflight does not count 256 MiB per group (need = 4 x rows
     + groups x 256 MiB = 1.5 GiB for --size 1M); the tier's first file per group is
     min(128 MiB, capacity / (4 x groups)) ~ 64 MiB, the run's peak is ~0.76 GiB, so a
     1 GiB folder is enough and is not refused."""
@@ -180,7 +180,7 @@ def _aio_available() -> bool:
 
 @pytest.mark.skipif(not _aio_available(), reason="needs Linux AIO")
 def test_the_aio_contexts_a_run_holds_are_checked_before_the_run(tmp_path: Path) -> None:
-    """Regression: bench.py preflight checks both AIO contexts of 4 x io_threads events
+    """Regression: bench/preflight.py preflight checks both AIO contexts of 4 x io_threads events
     that the run holds at once (the baselines' and the tier's), not one; where only one
     fits in fs.aio-max-nr the run must not fail after the copy phases and raw baselines
     (io_setup EAGAIN at 'kvtier CPU -> NVMe')."""
@@ -283,7 +283,7 @@ def test_rows_written_corrupt_by_the_cpu_to_nvme_leg_fail_the_bench(
 def test_rows_written_corrupt_by_write_through_fail_the_bench(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Regression: bench.py _nvme_phases reads back the rows nvme_write_e2e wrote
+    """Regression: bench/nvme_phases.py _nvme_phases reads back the rows nvme_write_e2e wrote
     before the e2e root is removed: a write-through path writing wrong bytes fails the
     run instead of being timed and reported as a good figure."""
     detected, hits = _bench_with_corrupt_writes(tmp_path, monkeypatch, f"-e2e{os.sep}")
@@ -305,7 +305,7 @@ def test_rows_written_corrupt_on_the_full_tier_fail_the_bench(
 def test_a_pipelined_load_that_writes_nothing_fails_the_bench(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Regression: bench.py _copy_phases scribbles over the cache before it checks
+    """Regression: bench/copy_phases.py _copy_phases scribbles over the cache before it checks
     'pipelined store -> load', so a pipelined load that writes nothing fails the run
     (it once passed on a cache the load's own data already filled)."""
     import kvtier

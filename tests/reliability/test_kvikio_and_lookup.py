@@ -36,10 +36,10 @@ import pytest
 import torch
 
 import kvtier
-import kvtier.bench as bench
 from kvtier import errors
 from kvtier._slots import HostRegion
-from kvtier.bench import BenchConfig, _Baselines
+from kvtier.bench import BenchConfig, baselines
+from kvtier.bench.baselines import _Baselines
 from kvtier.errors import storage_error_kind
 from kvtier.io import KvikioRowIO, PosixRowIO
 from kvtier.io._aio import aio_supported
@@ -185,7 +185,7 @@ def hashed(monkeypatch: pytest.MonkeyPatch) -> _Hashed:
             rec.calls.append((value, memoryview(view).nbytes))
         return value
 
-    monkeypatch.setattr(bench, "payload_checksum", counting)
+    monkeypatch.setattr(baselines, "payload_checksum", counting)
     return rec
 
 
@@ -275,7 +275,7 @@ def test_bench_close_shuts_down_its_io_and_hash_pools(tmp_path: Path) -> None:
 def test_checksummed_raw_write_writes_its_bytes_under_python_dash_o(tmp_path: Path) -> None:
     """Regression: under ``python -O`` the raw baselines do their I/O.
 
-    ``_Baselines._sequential`` (engine/bench.py) must not issue a request
+    ``_Baselines._sequential`` (engine/bench/baselines.py) must not issue a request
     inside an ``assert`` (``assert op(h, [...], off) == size`` on the posix
     path, ``assert fut.result() == sizes[i]`` on the aio path; the same in
     ``files_write``/``files_read``): ``-O`` strips asserts, so the posix
@@ -288,7 +288,8 @@ def test_checksummed_raw_write_writes_its_bytes_under_python_dash_o(tmp_path: Pa
     script = textwrap.dedent(
         f"""
         import os, sys
-        from kvtier.bench import BenchConfig, _Baselines
+        from kvtier.bench import BenchConfig
+        from kvtier.bench.baselines import _Baselines
         cfg = BenchConfig(io_backend="posix", direct_io="off", request_nbytes=8192, io_threads=2)
         base = _Baselines(cfg, {str(tmp_path)!r}, 5 * 4096, 4096, 1)
         base.buf.tensor[: base.total] = 7
