@@ -162,7 +162,7 @@ def _row_blocks(tier: NVMeTier) -> int:
     return sum(p.stat().st_blocks * 512 for p in paths) - HEADER * len(paths)
 
 
-# ====================================================================== bugs
+# =============================================================== regressions
 
 
 # Regression: after a reopen on tmpfs, _files.data_extents (lseek SEEK_DATA) reports
@@ -170,7 +170,7 @@ def _row_blocks(tier: NVMeTier) -> int:
 # RowIndex.take_for_disk(keys=False) skips them, so _on_full_disk must not evict other groups'
 # KEYS while those rows hold a whole step of pages. The open punches such free rows
 # (_batches._punch_unsure).
-async def test_bug_after_a_reopen_on_tmpfs_a_keyless_group_evicts_keys_while_free_rows_hold_pages(
+async def test_after_a_reopen_on_tmpfs_a_keyless_group_evicts_no_key_while_free_rows_hold_pages(
     tmpfs, slots
 ) -> None:
     """Group A grows one whole step (127 rows, 1 MiB: the 6 MiB tmpfs had four steps free)
@@ -205,7 +205,7 @@ async def test_bug_after_a_reopen_on_tmpfs_a_keyless_group_evicts_keys_while_fre
 # where after another tenant has twice taken what the punches gave back, a group with no key
 # fails every write for good again. Any later allocation that succeeds (a growth, or a punched
 # row's blocks) turns punching back on.
-async def test_bug_a_tenant_that_took_the_punched_space_twice_disables_punching_for_good(
+async def test_punching_turns_back_on_after_a_tenant_took_the_punched_space_twice(
     tmpfs, slots
 ) -> None:
     """Group A fills the 1 MiB tmpfs with keys. Group B, with no key, writes twice while
@@ -246,7 +246,7 @@ async def test_bug_a_tenant_that_took_the_punched_space_twice_disables_punching_
 # group's concurrent growth must not take them, failing the row with 'enospc' (a miss). Rows
 # punch for room one at a time (tier._punch_lock, the growth inside it), and a row may punch
 # a second round of keys when a growth tried before another row's punch took the first.
-async def test_bug_concurrent_keyless_groups_take_each_others_punched_space(tmpfs, slots) -> None:
+async def test_concurrent_keyless_groups_never_take_each_others_punched_space(tmpfs, slots) -> None:
     """Three times, on a fresh tier: group A fills the 1 MiB tmpfs with keys, then four
     groups with no key (rows of 8, 8, 40 and 8 KiB) write 2-4 keys each in four
     concurrent write_rows calls (no other tenant). Every row should be stored (A has

@@ -221,7 +221,7 @@ def _full_tier_kw(holder: list[_Rig14], rows: int, **over: Any) -> dict[str, Any
 # passes): it must not evict the resident old version of a key the same call rewrites in
 # another group, or the key is gone when that rewrite fails (EIO). write_batch builds the
 # call's key set once and both reservations protect it
-async def test_bug_a_late_reservation_evicts_a_key_its_own_call_rewrites(tmp_path, slots) -> None:
+async def test_a_late_reservation_never_evicts_a_key_its_own_call_rewrites(tmp_path, slots) -> None:
     holder: list[_Rig14] = []
     tier = await _open(tmp_path / "nvme", EQ3, **_full_tier_kw(holder, 4, eviction_window=1))
     buf = slots(2, SLOT)
@@ -251,7 +251,9 @@ async def test_bug_a_late_reservation_evicts_a_key_its_own_call_rewrites(tmp_pat
 # groups' keys" (False, DEFERRED); only the latter waits
 @pytest.mark.parametrize("why", ["too_big", "pinned"])
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO])
-async def test_bug_no_room_is_reported_as_the_failed_growth(tmp_path, slots, why, err) -> None:
+async def test_no_room_is_reported_as_capacity_not_as_the_failed_growth(
+    tmp_path, slots, why, err
+) -> None:
     holder: list[_Rig14] = []
     if why == "too_big":  # a 40 KiB row in a tier of 32 KiB
         tier = await _open(tmp_path / "nvme", UNEQUAL, **_full_tier_kw(holder, 4))
@@ -366,9 +368,9 @@ async def test_late_evictions_are_blank_before_the_deferred_row_is_written(tmp_p
 async def test_write_without_room_fails_with_capacity_before_any_growth(tmp_path, slots) -> None:
     """Every key of a full tier is being read: a write of a group with no free row finds no
     room: 'capacity', nothing grown (no growth ahead of the check, see
-    test_bug_no_room_is_reported_as_the_failed_growth), nothing evicted, no capacity
-    leaked; once the reads are done the next write of that group grows once and evicts
-    one key."""
+    test_no_room_is_reported_as_capacity_not_as_the_failed_growth), nothing evicted, no
+    capacity leaked; once the reads are done the next write of that group grows once and
+    evicts one key."""
     holder: list[_Rig14] = []
     tier = await _open(tmp_path / "nvme", EQ3, **_full_tier_kw(holder, 4, eviction_window=1))
     rig = holder[0]

@@ -184,7 +184,7 @@ async def test_a_write_into_a_hole_the_index_did_not_know_of_punches_that_row(tm
 # a time, against the free space less what the growths sized and not yet done claimed
 # (_batches._claim_growth)
 @pytest.mark.parametrize("grow_ahead", [False, True])
-async def test_bug_five_groups_growing_at_once_all_pass_the_free_space_check(
+async def test_five_groups_growing_at_once_on_four_free_steps_all_keep_storing(
     tmpfs, slots, grow_ahead
 ) -> None:
     mnt = tmpfs(4 * FIVE_FILE + (12 << 10))  # 8 KiB of it taken at open; four steps free
