@@ -69,7 +69,7 @@ def _kw(root: pathlib.Path | str, groups: Mapping[int, int] = G, **over: Any) ->
 
 
 def _key(i: int | str, group_id: int) -> OffloadKey:
-    return OffloadKey(f"df13-{i}".encode(), group_id)
+    return OffloadKey(f"disk-full-{i}".encode(), group_id)
 
 
 def _tag(k: OffloadKey) -> bytes:

@@ -55,7 +55,7 @@ def _kw(root: pathlib.Path | str, **over: Any) -> dict[str, Any]:
 
 
 def _key(i: int, group_id: int) -> OffloadKey:
-    return OffloadKey(f"u12-{i}".encode(), group_id)
+    return OffloadKey(f"unequal-{i}".encode(), group_id)
 
 
 def _tag(k: OffloadKey) -> bytes:
