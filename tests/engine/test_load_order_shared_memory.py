@@ -783,7 +783,7 @@ async def test_earlier_load_promoted_from_nvme_still_loses_to_the_later_call(
     layout = m.layout()
     ref = Reference(m)
     x, y = C(key("nv-x", 0), [1]), C(key("nv-y", 1), [2])
-    nvme = kvtier.NVMeConfig(root=str(tmp_path), capacity_bytes=64 << 20, namespace="alias17")
+    nvme = kvtier.NVMeConfig(root=str(tmp_path), capacity_bytes=64 << 20, namespace="promoted")
     async with kvtier.TransferEngine(layout, config(1, nvme=nvme)) as engine:
         assert len((await engine.store([x], durable=True)).stored) == 1
     ref.store(x)

@@ -128,7 +128,7 @@ class Rig:
             cfg = kvtier.NVMeConfig(
                 root=tmp_path,
                 capacity_bytes=1 << 24,
-                namespace="turns17",
+                namespace="load-turns",
                 row_io_wrapper=self.gate.wrap,
             )
         self.config = kvtier.EngineConfig(

@@ -254,7 +254,7 @@ async def test_counters_of_a_reopened_engine_with_the_same_labels_restart_at_zer
 
 
 async def test_default_global_registry() -> None:
-    labels = {"review": "fixes9"}
+    labels = {"suite": "default-registry"}
     async with kvtier.TransferEngine(_layout(), _config(2)) as engine:
         export = register_prometheus(engine, labels=labels)
         try:

@@ -44,7 +44,7 @@ def _config(
     eviction: str = "lru",
     root: Path | None = None,
     wrapper: Wrapper | None = None,
-    namespace: str = "review",
+    namespace: str = "policy-stats",
     layout: kvtier.KVLayout | None = None,
     bpc: int = 1,
 ) -> kvtier.EngineConfig:
@@ -63,7 +63,7 @@ def _config(
 
 
 def _k(name: object) -> kvtier.OffloadKey:
-    return key(f"rv-{name}", 0)
+    return key(f"policy-{name}", 0)
 
 
 def _live(policy: object) -> set[object]:

@@ -100,7 +100,7 @@ def _many_chunks(case: _Case, seed: int) -> tuple[list[kvtier.Chunk], list[kvtie
         for g, specs in per_group.items():
             if i < len(specs):
                 ids, off = specs[i]
-                stored.append(kvtier.Chunk(key(f"b12.{g}.{i}", g), ids, off))
+                stored.append(kvtier.Chunk(key(f"many.{g}.{i}", g), ids, off))
     total = sum(len(c.block_ids) for c in stored)
     assert total <= NB
     targets = iter(rng.sample(range(NB), total))

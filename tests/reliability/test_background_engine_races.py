@@ -79,7 +79,7 @@ def _layout(nb: int = 32, seed: int = 71, page: int = 4096) -> tuple[kvtier.KVLa
 
 
 def _nvme(
-    root: Path, *, ns: str = "s7", wrapper: Any = None, capacity: int = 16 << 20
+    root: Path, *, ns: str = "races", wrapper: Any = None, capacity: int = 16 << 20
 ) -> kvtier.NVMeConfig:
     return kvtier.NVMeConfig(
         root=root,

@@ -371,7 +371,7 @@ def test_chunk_accepts_exactly_what_its_docstring_says(args: tuple[Box, Any]) ->
 
 
 def _hash(name: object) -> bytes:
-    return hashlib.blake2b(f"fuzz13:{name}".encode(), digest_size=16).digest()
+    return hashlib.blake2b(f"bad-input-fuzz:{name}".encode(), digest_size=16).digest()
 
 
 @dataclass

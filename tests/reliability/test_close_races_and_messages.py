@@ -94,7 +94,7 @@ class _GatedOpenClose(DelegatingRowIO):
         self.inner.close(handle)
 
 
-async def _store_one_row(root: Path, ns: str = "s7") -> kvtier.KVLayout:
+async def _store_one_row(root: Path, ns: str = "races") -> kvtier.KVLayout:
     layout, _ = _layout()
     async with kvtier.TransferEngine(layout, _cfg(layout, 4, _nvme(root, ns=ns))) as first:
         await first.store([kvtier.Chunk(key("k", 0), [0, 1])], durable=True)
@@ -314,8 +314,8 @@ async def test_open_warning_skips_odd_entries_and_names_only_real_other_formats(
         old_name = old._nvme.directory.name
     odd = {
         "fifo-0123456789abcdef": "fifo",
-        "latin-0123456789abcdef": b'{"namespace": "s7", "x": "\xff"}',
-        "list-0123456789abcdef": b'["s7"]',
+        "latin-0123456789abcdef": b'{"namespace": "races", "x": "\xff"}',
+        "list-0123456789abcdef": b'["races"]',
         "deep-0123456789abcdef": b"[" * 100_000,
         "dir-0123456789abcdef": "dir",
         "empty-0123456789abcdef": b"",
@@ -347,9 +347,9 @@ async def test_open_warning_skips_odd_entries_and_names_only_real_other_formats(
     (message,) = _other_format_records(caplog)
     assert old_name in message
     assert not any(name in message for name in odd)
-    s7 = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("s7-"))
-    assert len(s7) == 2
-    assert folders_of(tmp_path, "s7") == s7
+    ours = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("races-"))
+    assert len(ours) == 2
+    assert folders_of(tmp_path, "races") == ours
     info = inspect_root(tmp_path)
     assert {n["directory"] for n in info["namespaces"]} >= {old_name, *odd}
 
@@ -376,14 +376,14 @@ async def test_open_warning_does_not_call_a_live_engines_folder_unused(
 
 
 def test_other_formats_is_read_only_and_names_no_removing_folder(tmp_path: Path) -> None:
-    own = tmp_path / "s7-00000000000000aa"
-    gone = tmp_path / ".kvtier-removing-1-ab-s7-00000000000000bb"
-    for folder in (own, gone, tmp_path / "s7-00000000000000cc"):
+    own = tmp_path / "races-00000000000000aa"
+    gone = tmp_path / ".kvtier-removing-1-ab-races-00000000000000bb"
+    for folder in (own, gone, tmp_path / "races-00000000000000cc"):
         folder.mkdir()
-        (folder / "format.json").write_text(json.dumps({"namespace": "s7"}))
+        (folder / "format.json").write_text(json.dumps({"namespace": "races"}))
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
-    assert other_formats(tmp_path, own, "s7") == ["s7-00000000000000cc"]
-    assert other_formats(tmp_path / "missing", own, "s7") == []
+    assert other_formats(tmp_path, own, "races") == ["races-00000000000000cc"]
+    assert other_formats(tmp_path / "missing", own, "races") == []
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
 
 
@@ -436,7 +436,7 @@ def _tmpfs_root() -> Path | None:
     """A fresh folder on a filesystem that keeps a far-future mtime (tmpfs), or None."""
     if not os.path.isdir("/dev/shm"):
         return None
-    root = Path(tempfile.mkdtemp(prefix="kvtier-review-", dir="/dev/shm"))
+    root = Path(tempfile.mkdtemp(prefix="kvtier-far-future-mtime-", dir="/dev/shm"))
     probe = root / "probe"
     probe.write_bytes(b"")
     try:

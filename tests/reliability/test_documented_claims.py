@@ -64,7 +64,7 @@ def _layout(t: dict[str, torch.Tensor]) -> kvtier.KVLayout:
 
 def _nvme(root: Path, **kw: Any) -> kvtier.NVMeConfig:
     kw.setdefault("capacity_bytes", 16 << 20)
-    kw.setdefault("namespace", "claims13")
+    kw.setdefault("namespace", "documented-claims")
     return kvtier.NVMeConfig(root=str(root), **kw)
 
 

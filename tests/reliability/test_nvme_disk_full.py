@@ -69,7 +69,7 @@ def _kw(root: pathlib.Path | str, groups: Mapping[int, int] = G, **over: Any) ->
 
 
 def _key(i: int | str, group_id: int) -> OffloadKey:
-    return OffloadKey(f"df13-{i}".encode(), group_id)
+    return OffloadKey(f"disk-full-{i}".encode(), group_id)
 
 
 def _tag(k: OffloadKey) -> bytes:
@@ -275,7 +275,7 @@ def _kinds(results: Sequence[BaseException | None]) -> list[str | None]:
     return [None if r is None else getattr(r, "kind", type(r).__name__) for r in results]
 
 
-# ====================================================================== bugs
+# =============================================================== regressions
 
 
 # Regression: a free row whose blocks were punched (the tier went past its disk budget) must
@@ -286,7 +286,7 @@ def _kinds(results: Sequence[BaseException | None]) -> list[str | None]:
 # and a punched one only after allocating its blocks (posix_fallocate of the row), which on a
 # full filesystem fails first: the write then takes the row of its group's least recently
 # used key
-async def test_bug_a_punched_free_row_on_a_full_filesystem_fails_every_write_of_its_group(
+async def test_a_punched_free_row_on_a_full_filesystem_fails_no_write_of_its_group(
     tmpfs, slots
 ) -> None:
     mnt = tmpfs(1 << 20)
@@ -332,7 +332,7 @@ async def test_bug_a_punched_free_row_on_a_full_filesystem_fails_every_write_of_
 # without trying a smaller step (on a 7 MiB tmpfs with 2 MiB segments the tier would evict
 # with 1 MiB, 15%, 128 rows, free). Growth falls back to fewer rows (down to one) before
 # evicting a key
-async def test_bug_disk_full_evictions_start_with_most_of_a_growth_step_still_free(
+async def test_growth_falls_back_to_fewer_rows_before_disk_full_evictions_start(
     tmpfs, slots
 ) -> None:
     mnt = tmpfs(7 << 20)
@@ -352,7 +352,7 @@ async def test_bug_disk_full_evictions_start_with_most_of_a_growth_step_still_fr
 # taking its own group's LRU key). A writer whose group has no row at hand reserves room only
 # after its growth (RowIndex.reserve(evict_others=False)); on a full filesystem it takes its
 # own group's LRU key alone
-async def test_bug_full_tier_on_a_full_filesystem_evicts_two_keys_for_one_row(
+async def test_a_full_tier_on_a_full_filesystem_evicts_one_key_of_its_own_group_for_one_row(
     tmp_path, slots
 ) -> None:
     holder: list[_Rig] = []
@@ -389,7 +389,7 @@ async def test_bug_full_tier_on_a_full_filesystem_evicts_two_keys_for_one_row(
 # growths of the same file would fail again, and a reopen would count the row the failed
 # growth cut in the middle as invalid (invalid_rows_at_open=1, the sequence numbers jump). A
 # failed growth gives its blocks back (or the rows it got are used) before a key is evicted
-async def test_bug_a_failed_growth_on_ext4_keeps_blocks_the_tier_never_uses(ext4, slots) -> None:
+async def test_a_failed_growth_on_ext4_keeps_no_blocks_the_tier_never_uses(ext4, slots) -> None:
     mnt = ext4(8 << 20)
     root = mnt / "nvme"
     kw = _kw(root, {MID: G[MID]}, capacity_bytes=8 << 20, segment_nbytes=64 << 20)
@@ -414,7 +414,7 @@ async def test_bug_a_failed_growth_on_ext4_keeps_blocks_the_tier_never_uses(ext4
 # restarted tier would silently fall back to buffered I/O (direct_io_fallback=1), and
 # io_backend='aio' could not open at all. A full filesystem changes nothing at open (e.g.
 # probe on an existing segment, or tell ENOSPC from 'O_DIRECT fails')
-async def test_bug_a_full_filesystem_cannot_be_reopened_with_direct_io(ext4, slots) -> None:
+async def test_a_full_filesystem_reopens_with_direct_io(ext4, slots) -> None:
     mnt = ext4(8 << 20)
     root = mnt / "nvme"
     kw = _kw(root, {MID: G[MID]}, capacity_bytes=64 << 20, segment_nbytes=1 << 20)

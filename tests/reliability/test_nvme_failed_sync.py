@@ -158,7 +158,7 @@ async def gated_engine(
 # Regression: store(durable=True) does not return success while one of its keys was dropped
 # from NVMe by another caller's failed fdatasync (_writeback.py make_durable checks after
 # tier.flush)
-async def test_durable_store_whose_skipped_key_a_concurrent_failed_sync_dropped_succeeds(
+async def test_durable_store_whose_skipped_key_a_concurrent_failed_sync_dropped_does_not_succeed(
     tmp_path: pathlib.Path,
 ) -> None:
     holder = SyncHolder()
@@ -193,7 +193,7 @@ async def test_durable_store_whose_skipped_key_a_concurrent_failed_sync_dropped_
 # Regression: a key dropped by a failed fdatasync that only another caller (a durable store)
 # saw is named by the next flush(), which does not return as if every key stored before it
 # were durable (the tier's drops reach NVMeWriter._failed)
-async def test_flush_after_another_callers_failed_sync_names_no_dropped_key(
+async def test_flush_after_another_callers_failed_sync_names_the_dropped_key(
     tmp_path: pathlib.Path,
 ) -> None:
     holder = SyncHolder()

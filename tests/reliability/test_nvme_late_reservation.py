@@ -46,7 +46,7 @@ from kvtier.io import _files as files
 from kvtier.io._format import TRAILER_NBYTES, decode_trailer
 
 from ..io.conftest import Slots
-from . import test_nvme_disk_full as df13
+from . import test_nvme_disk_full as disk_full
 from ._faultio import check_found, kill_child, kill_log, rig_factory, until_set
 from .test_nvme_disk_full import (
     BIG,
@@ -71,8 +71,8 @@ from .test_nvme_disk_full import (
     _tag,
 )
 
-tmpfs = df13.tmpfs  # the fixtures: a real tmpfs / ext4 loop mount of a given size (root only)
-ext4 = df13.ext4
+tmpfs = disk_full.tmpfs  # the fixtures: a real tmpfs / ext4 loop mount of a given size (root only)
+ext4 = disk_full.ext4
 
 C = MID  # a third group of 8 KiB rows
 EQ3 = {A: NB[A], B: NB[B], C: NB[C]}
@@ -107,11 +107,11 @@ def _valid_nbytes(directory: pathlib.Path) -> int:
 
 
 class _Handle:
-    """A segment handle of :class:`_Rig14` (the real one inside); its ``fd`` may fail."""
+    """A segment handle of :class:`_GrowthRig` (the real one inside); its ``fd`` may fail."""
 
     __slots__ = ("real", "rig")
 
-    def __init__(self, real: Any, rig: _Rig14) -> None:
+    def __init__(self, real: Any, rig: _GrowthRig) -> None:
         self.real = real
         self.rig = rig
 
@@ -125,7 +125,7 @@ class _Handle:
         return self.real
 
 
-class _Rig14(_Rig):
+class _GrowthRig(_Rig):
     """The rig of test_nvme_disk_full.py, plus: growth held (``hold_alloc``) or slowed
     (``alloc_delay``); ``fill_faults`` EIOs on a punched row's allocation (handles
     wrapped, ``wrap=True``);
@@ -184,8 +184,8 @@ class _Rig14(_Rig):
                 self.checks += 1
 
 
-def _rig14(holder: list[_Rig14], wrap: bool = False) -> Any:
-    return rig_factory(functools.partial(_Rig14, wrap=wrap), holder)
+def _growth_rig(holder: list[_GrowthRig], wrap: bool = False) -> Any:
+    return rig_factory(functools.partial(_GrowthRig, wrap=wrap), holder)
 
 
 async def _open(root: pathlib.Path, groups: Mapping[int, int], **over: Any) -> NVMeTier:
@@ -208,9 +208,9 @@ def _names(keys: set[OffloadKey] | list[OffloadKey]) -> list[bytes]:
     return sorted(k.block_hash for k in keys)
 
 
-def _full_tier_kw(holder: list[_Rig14], rows: int, **over: Any) -> dict[str, Any]:
+def _full_tier_kw(holder: list[_GrowthRig], rows: int, **over: Any) -> dict[str, Any]:
     """capacity_bytes of ``rows`` 8 KiB rows (up to 12: every growth step is one row)."""
-    return {"capacity_bytes": rows * ROW[A], "row_io_wrapper": _rig14(holder), **over}
+    return {"capacity_bytes": rows * ROW[A], "row_io_wrapper": _growth_rig(holder), **over}
 
 
 # =============================================================== regressions
@@ -221,8 +221,8 @@ def _full_tier_kw(holder: list[_Rig14], rows: int, **over: Any) -> dict[str, Any
 # passes): it must not evict the resident old version of a key the same call rewrites in
 # another group, or the key is gone when that rewrite fails (EIO). write_batch builds the
 # call's key set once and both reservations protect it
-async def test_bug_a_late_reservation_evicts_a_key_its_own_call_rewrites(tmp_path, slots) -> None:
-    holder: list[_Rig14] = []
+async def test_a_late_reservation_never_evicts_a_key_its_own_call_rewrites(tmp_path, slots) -> None:
+    holder: list[_GrowthRig] = []
     tier = await _open(tmp_path / "nvme", EQ3, **_full_tier_kw(holder, 4, eviction_window=1))
     buf = slots(2, SLOT)
     b0, spare, c0, a0 = _key("b0", B), _key("spare", B), _key("c0", C), _key("a0", A)
@@ -251,8 +251,10 @@ async def test_bug_a_late_reservation_evicts_a_key_its_own_call_rewrites(tmp_pat
 # groups' keys" (False, DEFERRED); only the latter waits
 @pytest.mark.parametrize("why", ["too_big", "pinned"])
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO])
-async def test_bug_no_room_is_reported_as_the_failed_growth(tmp_path, slots, why, err) -> None:
-    holder: list[_Rig14] = []
+async def test_no_room_is_reported_as_capacity_not_as_the_failed_growth(
+    tmp_path, slots, why, err
+) -> None:
+    holder: list[_GrowthRig] = []
     if why == "too_big":  # a 40 KiB row in a tier of 32 KiB
         tier = await _open(tmp_path / "nvme", UNEQUAL, **_full_tier_kw(holder, 4))
         new = _key("big", BIG)
@@ -289,9 +291,9 @@ async def test_bug_no_room_is_reported_as_the_failed_growth(tmp_path, slots, why
 async def test_unequal_rows_evict_in_strict_lru_order_whether_the_filesystem_is_full_or_not(
     tmp_path, slots, full
 ) -> None:
-    holder: list[_Rig14] = []
+    holder: list[_GrowthRig] = []
     cap = 2 * ROW[BIG] + 5 * ROW[SMALL]
-    kw = {"capacity_bytes": cap, "row_io_wrapper": _rig14(holder), "eviction_window": 1}
+    kw = {"capacity_bytes": cap, "row_io_wrapper": _growth_rig(holder), "eviction_window": 1}
     tier = await _open(tmp_path / "nvme", UNEQUAL, **kw)
     buf = slots(1, SLOT)
     s = [_key(f"s{i}", SMALL) for i in range(5)]
@@ -327,7 +329,7 @@ async def test_late_evictions_are_blank_before_the_deferred_row_is_written(tmp_p
     no row of it is on disk; a crash image taken then holds at most capacity_bytes of
     valid rows (a reopen at that capacity evicts nothing), never the new key, and the
     evicted key with its own bytes or not at all."""
-    holder: list[_Rig14] = []
+    holder: list[_GrowthRig] = []
     root = tmp_path / "nvme"
     tier = await _open(root, EQ3, **_full_tier_kw(holder, 4, eviction_window=1))
     rig = holder[0]
@@ -352,7 +354,7 @@ async def test_late_evictions_are_blank_before_the_deferred_row_is_written(tmp_p
     assert _gone(set(olds), tier) == {olds[0]}  # B's key, the least recently used
     await tier.close()
     for where, expected in ((crash, None), (root, {*olds[1:], x})):
-        found, st = await df13._reopened(where, EQ3, capacity_bytes=4 * ROW[A])
+        found, st = await disk_full._reopened(where, EQ3, capacity_bytes=4 * ROW[A])
         assert st["evictions"] == 0, "valid rows on disk exceed capacity_bytes"
         assert st["invalid_rows_at_open"] == 0
         assert all(data == _data(k) for k, data in found.items())
@@ -366,10 +368,10 @@ async def test_late_evictions_are_blank_before_the_deferred_row_is_written(tmp_p
 async def test_write_without_room_fails_with_capacity_before_any_growth(tmp_path, slots) -> None:
     """Every key of a full tier is being read: a write of a group with no free row finds no
     room: 'capacity', nothing grown (no growth ahead of the check, see
-    test_bug_no_room_is_reported_as_the_failed_growth), nothing evicted, no capacity
-    leaked; once the reads are done the next write of that group grows once and evicts
-    one key."""
-    holder: list[_Rig14] = []
+    test_no_room_is_reported_as_capacity_not_as_the_failed_growth), nothing evicted, no
+    capacity leaked; once the reads are done the next write of that group grows once and
+    evicts one key."""
+    holder: list[_GrowthRig] = []
     tier = await _open(tmp_path / "nvme", EQ3, **_full_tier_kw(holder, 4, eviction_window=1))
     rig = holder[0]
     buf = slots(6, SLOT)
@@ -409,7 +411,7 @@ async def test_slow_growth_with_concurrent_calls_discard_drain_and_close(tmp_pat
     visible, each new row evicted the least recently used key (the first call's own
     group's key, handed over), no capacity is leaked, and a reopen finds exactly the
     visible keys with their bytes."""
-    holder: list[_Rig14] = []
+    holder: list[_GrowthRig] = []
     root = tmp_path / "nvme"
     tier = await _open(root, EQ3, **_full_tier_kw(holder, 6, eviction_window=1))
     rig = holder[0]
@@ -442,7 +444,7 @@ async def test_slow_growth_with_concurrent_calls_discard_drain_and_close(tmp_pat
     assert set(tier.keys()) == keys
     assert tier.stats()["evictions"] == 4
     _states(ix)
-    found, st = await df13._reopened(root, EQ3, capacity_bytes=6 * ROW[A])
+    found, st = await disk_full._reopened(root, EQ3, capacity_bytes=6 * ROW[A])
     assert found == {k: _data(k) for k in keys}
     assert st["evictions"] == 0
 
@@ -461,7 +463,7 @@ async def test_full_tier_on_a_full_filesystem_evicts_its_own_groups_oldest_key_p
     open) and 12 (strict LRU). Then space comes back: one eviction per new row still, and
     with strict LRU the groups grow again and the least recently used key of all groups
     goes."""
-    holder: list[_Rig14] = []
+    holder: list[_GrowthRig] = []
     rows = 96 if window > 1 else 12
     kw = _full_tier_kw(holder, rows, eviction_window=window, segment_nbytes=64 << 20)
     tier = await _open(tmp_path / "nvme", EQ3, **kw)
@@ -540,8 +542,8 @@ async def test_eio_allocating_a_punched_row_fails_that_key_only(tmpfs, slots) ->
     index's held rows), no capacity leaks, and the next write of A allocates that row
     and succeeds."""
     mnt = tmpfs(1 << 20)
-    holder: list[_Rig14] = []
-    kw = {"capacity_bytes": 16 * ROW[A], "row_io_wrapper": _rig14(holder, wrap=True)}
+    holder: list[_GrowthRig] = []
+    kw = {"capacity_bytes": 16 * ROW[A], "row_io_wrapper": _growth_rig(holder, wrap=True)}
     tier = await _open(mnt / "nvme", {A: NB[A], B: NB[B]}, **kw)
     rig = holder[0]
     ix = tier._index
@@ -615,7 +617,7 @@ async def test_punched_rows_on_a_filesystem_that_fills_and_frees_again(tmpfs, sl
     snap = await _snapshot(tier)
     assert all(data == _data(k) for k, data in snap.items())
     await tier.close()
-    found, st2 = await df13._reopened(root, {A: NB[A], B: NB[B]}, capacity_bytes=16 * ROW[A])
+    found, st2 = await disk_full._reopened(root, {A: NB[A], B: NB[B]}, capacity_bytes=16 * ROW[A])
     assert found == snap
     assert st2["evictions"] == 0
 
@@ -636,10 +638,10 @@ async def test_concurrent_deferred_writes_never_leave_more_valid_rows_than_capac
     budget, every key reads its last written bytes, reads in flight got their bytes;
     only 'eio' (injected), 'capacity' (rows in flight) and 'enospc' (a group with nothing
     to take) fail."""
-    holder: list[_Rig14] = []
+    holder: list[_GrowthRig] = []
     groups = {**UNEQUAL, A: NB[A]}
     cap = (24 if window == 1 else 80) * ROW[SMALL]
-    kw = {"capacity_bytes": cap, "row_io_wrapper": _rig14(holder), "eviction_window": window}
+    kw = {"capacity_bytes": cap, "row_io_wrapper": _growth_rig(holder), "eviction_window": window}
     tier = await _open(tmp_path / "nvme", groups, grow_ahead=window > 1, **kw)
     rig = holder[0]
     rig.watch = tier.directory
@@ -740,7 +742,7 @@ async def _crash_child(root: str, log_path: str) -> None:
     before its write, each discard, the visible keys after each flush, and ``BAD`` if a
     row write ever left more valid rows on disk than capacity_bytes or a read got
     wrong bytes."""
-    holder: list[_Rig14] = []
+    holder: list[_GrowthRig] = []
     tier = NVMeTier(
         **_kw(
             root,
@@ -748,7 +750,7 @@ async def _crash_child(root: str, log_path: str) -> None:
             capacity_bytes=CRASH_CAP,
             grow_ahead=False,
             eviction_window=1,
-            row_io_wrapper=_rig14(holder),
+            row_io_wrapper=_growth_rig(holder),
         )
     )
     await tier.open()
@@ -838,9 +840,9 @@ def test_sigkill_during_late_reservations_and_disk_full_evictions(tmp_path) -> N
             if "w" in e:
                 h, g, s = e["w"]
                 allowed.setdefault((h, g), set()).add(s)
-        _, st = asyncio.run(df13._reopened(root, CRASH_GROUPS, capacity_bytes=CRASH_CAP))
+        _, st = asyncio.run(disk_full._reopened(root, CRASH_GROUPS, capacity_bytes=CRASH_CAP))
         assert st["evictions"] == 0, "valid rows on disk exceed capacity_bytes"
-        found, _ = asyncio.run(df13._reopened(root, CRASH_GROUPS))
+        found, _ = asyncio.run(disk_full._reopened(root, CRASH_GROUPS))
         checked += check_found(found, allowed, _data)
     assert checked > 10
 
@@ -891,7 +893,7 @@ async def test_ext4_a_punched_row_that_only_partly_fits_gives_its_blocks_back(ex
     snap = await _snapshot(tier)
     assert all(data == _data(k) for k, data in snap.items())
     await tier.close()
-    found, st = await df13._reopened(root, groups, capacity_bytes=16 * ROW[A])
+    found, st = await disk_full._reopened(root, groups, capacity_bytes=16 * ROW[A])
     assert found == snap
     assert st["invalid_rows_at_open"] == 0
 

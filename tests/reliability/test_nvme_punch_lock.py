@@ -55,7 +55,7 @@ from kvtier import OffloadKey
 from kvtier.io import NVMeTier, RowIO
 
 from ..io.conftest import Slots
-from . import test_nvme_disk_full as df13
+from . import test_nvme_disk_full as disk_full
 from ._faultio import kill_child, rig_factory
 from .test_nvme_disk_full import (
     BIG,
@@ -84,8 +84,8 @@ from .test_nvme_keyless_punch import (
 )
 from .test_nvme_late_reservation import _open
 
-tmpfs = df13.tmpfs  # a real tmpfs / ext4 loop mount of a given size (root only)
-ext4 = df13.ext4
+tmpfs = disk_full.tmpfs  # a real tmpfs / ext4 loop mount of a given size (root only)
+ext4 = disk_full.ext4
 
 C = MID
 ALL = {A: NB[A], B: NB[B], C: NB[C], BIG: NB[BIG], SMALL: NB[SMALL]}
@@ -120,7 +120,7 @@ class _Tenant:
             self.files.pop(random.randrange(len(self.files))).unlink()
 
 
-class _Rig16b(_PunchRig):
+class _EioRig(_PunchRig):
     """The ``_PunchRig`` rig, plus: ``grow_eio``: the next growth (``allocate``) after a punch
     fails with EIO; ``trailer_faults``: blanking trailer writes that fail with EIO."""
 
@@ -145,8 +145,8 @@ class _Rig16b(_PunchRig):
         return super().pwritev(handle, bufs, file_offset)
 
 
-def _rig16b(holder: list[_Rig16b]) -> Any:
-    return rig_factory(_Rig16b, holder)
+def _eio_rig(holder: list[_EioRig]) -> Any:
+    return rig_factory(_EioRig, holder)
 
 
 def _check_found(
@@ -162,10 +162,12 @@ def _check_found(
     return ok
 
 
-async def _open16b(root: pathlib.Path, groups: dict[int, int]) -> tuple[NVMeTier, _Rig16b]:
-    """A tier (capacity_bytes 16 MiB) with the ``_Rig16b`` rig; the rig."""
-    holder: list[_Rig16b] = []
-    tier = await _open(root, groups, capacity_bytes=16 << 20, row_io_wrapper=_rig16b(holder))
+async def _open_with_eio_rig(
+    root: pathlib.Path, groups: dict[int, int]
+) -> tuple[NVMeTier, _EioRig]:
+    """A tier (capacity_bytes 16 MiB) with the ``_EioRig`` rig; the rig."""
+    holder: list[_EioRig] = []
+    tier = await _open(root, groups, capacity_bytes=16 << 20, row_io_wrapper=_eio_rig(holder))
     return tier, holder[0]
 
 
@@ -325,7 +327,7 @@ async def test_an_eio_of_the_growth_inside_a_punch_round_stops_the_rounds(tmpfs,
     reopen finds every key left with its bytes."""
     root = tmpfs(FS) / "nvme"
     groups = {A: NB[A], B: NB[B]}
-    tier, rig = await _open16b(root, groups)
+    tier, rig = await _open_with_eio_rig(root, groups)
     buf = slots(2, SLOT)
     try:
         held_a = await _fill_with_a(tier, buf)
@@ -364,7 +366,7 @@ async def test_an_eio_of_the_trailer_write_after_a_failed_punch_never_gives_wron
     blocks."""
     root = tmpfs(FS) / "nvme"
     groups = {A: NB[A], B: NB[B]}
-    tier, rig = await _open16b(root, groups)
+    tier, rig = await _open_with_eio_rig(root, groups)
     buf = slots(2, SLOT)
     written = {}
     try:
@@ -409,10 +411,10 @@ async def test_a_keyless_row_waiting_on_the_punch_lock_while_growth_ahead_holds_
     adds up; a reopen finds the snapshot."""
     mnt = tmpfs(FS)
     root = mnt / "nvme"
-    holder: list[_Rig16b] = []
+    holder: list[_EioRig] = []
     groups = {A: NB[A], B: NB[B], C: NB[C]}
     tier = await _open(
-        root, groups, capacity_bytes=16 << 20, grow_ahead=True, row_io_wrapper=_rig16b(holder)
+        root, groups, capacity_bytes=16 << 20, grow_ahead=True, row_io_wrapper=_eio_rig(holder)
     )
     rig = holder[0]
     buf = slots(8, SLOT)
@@ -531,7 +533,7 @@ def test_sigkill_while_keyless_groups_punch_with_growth_ahead(tmpfs, tmp_path) -
                 _states(tier._index)
                 found = await asyncio.wait_for(_snapshot(tier), 30)
                 ok = _check_found(found, written)
-                valid = sum(df13.ROW[k.group_id] for k, d in found.items() if d is not None)
+                valid = sum(disk_full.ROW[k.group_id] for k, d in found.items() if d is not None)
                 assert valid <= 640 << 10
                 buf = Slots(1, SLOT)
                 out = []

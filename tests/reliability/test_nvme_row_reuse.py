@@ -1,16 +1,16 @@
 """The NVMe tier's row reuse.
 
 A row evicted by LRU must not wait "unblanked" (its trailer still naming the
-evicted key) in its group's free heap to be overwritten in place; the
-``test_bug_*`` tests guard against the bugs that caused (their docstrings
-start "Regression:"). A row evicted for another group's write goes stale and
-is blanked in the same write batch by zeroing its 4 KiB trailer, keeping its
-disk blocks (its group's next write overwrites it in place); rows are punched
-only while the rows holding blocks exceed ``disk_budget_nbytes`` (stale rows,
-then free rows of the groups with the most free bytes, counted as punched at
-once). So an evicted key never comes back after a crash once the write that
-evicted it completed, unless its blanking failed (then only with its own
-bytes), and never after a clean close.
+evicted key) in its group's free heap to be overwritten in place; the tests
+whose docstrings start "Regression:" guard against the bugs that caused. A
+row evicted for another group's write goes stale and is blanked in the same
+write batch by zeroing its 4 KiB trailer, keeping its disk blocks (its
+group's next write overwrites it in place); rows are punched only while the
+rows holding blocks exceed ``disk_budget_nbytes`` (stale rows, then free rows
+of the groups with the most free bytes, counted as punched at once). So an
+evicted key never comes back after a crash once the write that evicted it
+completed, unless its blanking failed (then only with its own bytes), and
+never after a clean close.
 
 Attacks, through ``NVMeTier``/``TransferEngine`` and faults injected only by
 ``row_io_wrapper`` or real subprocesses (``python -m
@@ -142,10 +142,10 @@ def _child(cmd: str, root: pathlib.Path) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# ====================================================================== bugs
+# =============================================================== regressions
 
 
-async def test_bug_discarded_rows_blanked_within_the_budget_keep_their_blocks_forever(
+async def test_discarded_rows_blanked_within_the_budget_are_punched_once_past_it(
     tmp_path, slots
 ) -> None:
     """Regression: stale rows blanked within the budget keep their disk blocks as plain free
@@ -222,7 +222,7 @@ async def test_row_evicted_within_the_budget_after_a_reopen_keeps_its_blocks(
     assert after == before
 
 
-async def test_bug_reopen_counts_punched_rows_as_held_and_punches_rows_evicted_within_budget(
+async def test_reopen_counts_punched_rows_as_holes_and_keeps_rows_evicted_within_budget(
     tmp_path, slots
 ) -> None:
     """Regression: after a restart that followed a workload shift, RowIndex.rebuild does not
@@ -283,7 +283,7 @@ async def test_reopen_punches_holes_not_free_rows_that_hold_blocks(tmp_path, slo
     assert after == kept, "free rows that hold blocks were punched within the budget"
 
 
-async def test_bug_growth_one_row_past_the_budget_punches_one_row_not_two(tmp_path, slots) -> None:
+async def test_growth_one_row_past_the_budget_punches_one_row_not_two(tmp_path, slots) -> None:
     """Regression: two concurrent reclaims (write_batch's and _grow_step's) do not each count the
     same excess over the budget, so a growth one row past it punches one freed row, not two.
     """
@@ -310,7 +310,7 @@ async def test_bug_growth_one_row_past_the_budget_punches_one_row_not_two(tmp_pa
     assert after == before[0] - ROW[0], (before, after)
 
 
-def test_bug_crash_brings_back_evicted_keys_that_push_out_a_flushed_visible_key(tmp_path) -> None:
+def test_a_crash_brings_back_no_evicted_key_to_push_out_a_flushed_visible_key(tmp_path) -> None:
     """Regression: after a crash, rows evicted by LRU do not come back unblanked at open with
     higher sequence numbers than an older, flushed, visible key, making RowIndex.rebuild evict
     that flushed key to fit capacity_bytes.
@@ -327,7 +327,7 @@ def test_bug_crash_brings_back_evicted_keys_that_push_out_a_flushed_visible_key(
     assert sorted(map(_name, found)) == at_crash["visible"]
 
 
-def test_bug_engine_flushed_and_loaded_key_is_lost_after_a_crash(tmp_path) -> None:
+def test_engine_flushed_and_loaded_key_survives_a_crash(tmp_path) -> None:
     """Regression: a key stored, flushed and then loaded from NVMe is no MISS after a crash: the
     group-0 keys evicted after it by group-1 stores do not come back unblanked and push it out
     at open.
@@ -351,7 +351,7 @@ def test_bug_engine_flushed_and_loaded_key_is_lost_after_a_crash(tmp_path) -> No
     asyncio.run(run())
 
 
-def test_bug_discarded_key_comes_back_after_the_next_write_and_a_crash(tmp_path) -> None:
+def test_discarded_key_never_comes_back_after_the_next_write_and_a_crash(tmp_path) -> None:
     """Regression: NVMeTier.discard blanks an older row of the key that an eviction left
     unblanked, so after the next write, a flush and a crash the discarded key does not come back
     with the bytes of its older write.

@@ -35,7 +35,7 @@ from kvtier import OffloadKey
 from kvtier.io import NVMeTier
 
 from ..io.conftest import Slots
-from . import test_nvme_disk_full as df13
+from . import test_nvme_disk_full as disk_full
 from ._faultio import kill_child
 from ._model import Gpu, chunks_for, engine_config, load_check, nvme_config, store_ok
 from ._model import key as model_key
@@ -56,11 +56,11 @@ from .test_nvme_disk_full import (
     _snapshot,
     _states,
 )
-from .test_nvme_late_reservation import _open, _Rig14, _rig14
+from .test_nvme_late_reservation import _growth_rig, _GrowthRig, _open
 
-tmpfs = df13.tmpfs  # a real tmpfs of a given size (root only)
+tmpfs = disk_full.tmpfs  # a real tmpfs of a given size (root only)
 
-C = df13.MID
+C = disk_full.MID
 FIVE = {g: NB[g] for g in (BIG, SMALL, C, A, B)}  # rows of 40, 8, 8, 8 and 8 KiB
 # capacity_bytes / (4 x 5 groups) = 640 KiB: a step of 80 rows of 8 KiB or 16 rows of 40 KiB
 FIVE_CAP = 12800 << 10
@@ -68,7 +68,7 @@ FIVE_FILE = (640 + 4) << 10  # a first segment file: one step and its 4 KiB head
 
 
 def _kinds(results: list[BaseException | None]) -> list[str | None]:
-    return df13._kinds(results)
+    return disk_full._kinds(results)
 
 
 # =============================================================== regressions
@@ -163,7 +163,7 @@ async def test_a_write_into_a_hole_the_index_did_not_know_of_punches_that_row(tm
         assert libc.fallocate(seg, punch, off, size) == 0
     finally:
         os.close(seg)
-    df13._fill(mnt)
+    disk_full._fill(mnt)
     got = [(await tier.write_rows(_rows(buf, [_key(f"h{i}", A)])))[0] for i in range(6)]
     kinds = _kinds(got)
     assert kinds[0] in ("short_write", "enospc"), kinds  # the write into the hole
@@ -184,13 +184,13 @@ async def test_a_write_into_a_hole_the_index_did_not_know_of_punches_that_row(tm
 # a time, against the free space less what the growths sized and not yet done claimed
 # (_batches._claim_growth)
 @pytest.mark.parametrize("grow_ahead", [False, True])
-async def test_bug_five_groups_growing_at_once_all_pass_the_free_space_check(
+async def test_five_groups_growing_at_once_on_four_free_steps_all_keep_storing(
     tmpfs, slots, grow_ahead
 ) -> None:
     mnt = tmpfs(4 * FIVE_FILE + (12 << 10))  # 8 KiB of it taken at open; four steps free
-    holder: list[_Rig14] = []
+    holder: list[_GrowthRig] = []
     tier = await _open(mnt / "nvme", FIVE, capacity_bytes=FIVE_CAP, grow_ahead=grow_ahead,
-                       row_io_wrapper=_rig14(holder))  # fmt: skip
+                       row_io_wrapper=_growth_rig(holder))  # fmt: skip
     holder[0].alloc_delay = 0.05  # a fallocate that takes 50 ms, as on a real disk
     assert _free_nbytes(mnt) >= 4 * (640 << 10)  # the check lets a whole step through
     buf = slots(len(FIVE), SLOT)

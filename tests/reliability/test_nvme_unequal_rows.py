@@ -14,7 +14,7 @@ runs the child). A "crash" in-process is a copy of the namespace folder taken
 while the tier is live: the files as the page cache holds them, which is what
 a SIGKILL leaves.
 
-The two ``test_fixed_...`` tests guard against bugs the tier once had.
+The two tests whose docstrings start "Regression:" guard against bugs the tier once had.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _kw(root: pathlib.Path | str, **over: Any) -> dict[str, Any]:
 
 
 def _key(i: int, group_id: int) -> OffloadKey:
-    return OffloadKey(f"u12-{i}".encode(), group_id)
+    return OffloadKey(f"unequal-{i}".encode(), group_id)
 
 
 def _tag(k: OffloadKey) -> bytes:
@@ -532,10 +532,10 @@ async def test_reopen_smaller_evicts_by_sequence_within_capacity_and_they_stay_g
         assert data == _data(k), k
 
 
-# ====================================================================== bugs
+# =============================================================== regressions
 
 
-async def test_fixed_a_write_returns_and_writes_only_once_the_rows_it_evicted_are_blank(
+async def test_a_write_returns_and_writes_only_once_the_rows_it_evicted_are_blank(
     tmp_path, slots
 ) -> None:
     """Regression: two concurrent small-row calls A and B on a full tier whose LRU-oldest
@@ -597,7 +597,7 @@ async def test_fixed_a_write_returns_and_writes_only_once_the_rows_it_evicted_ar
         assert data == _data(k), k
 
 
-async def test_fixed_growth_past_the_budget_ends_back_within_it(tmp_path, slots) -> None:
+async def test_growth_past_the_budget_ends_back_within_it(tmp_path, slots) -> None:
     """Regression: held blocks at the budget, no free big row; a call [big B, small S] where
     S evicts the LRU-oldest key, which is big (E): B grows the big group by one row past
     the budget, E's stale row is punched to make up for it, then B may take E's row

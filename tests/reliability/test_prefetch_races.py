@@ -102,7 +102,7 @@ def config(
         root=root,
         io_backend=io_backend,
         capacity_bytes=capacity,
-        namespace="review-prefetch",
+        namespace="prefetch-races",
         segment_nbytes=segment_nbytes,
         request_nbytes=request_nbytes,
         row_io_wrapper=wrapper,  # type: ignore[arg-type]

@@ -550,7 +550,7 @@ def test_a_read_only_root_is_refused_with_a_message_and_nothing_deleted(tmp_path
     part-way: its OSError's message, 'rerun with that name', is shown
     (``click.ClickException(str(exc))``).
     """
-    base = Path(tempfile.mkdtemp(prefix="kvtier-review-ro-"))
+    base = Path(tempfile.mkdtemp(prefix="kvtier-read-only-root-"))
     try:
         os.chmod(base, 0o755)
         root = base / "nvme"
