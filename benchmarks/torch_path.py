@@ -35,7 +35,7 @@ import kvtier
 import kvtier._engine
 import kvtier._transfer
 from kvtier._shapes import LayerSpec, ModelShape, model_shape
-from kvtier.bench.data import _batches, _chunks
+from kvtier.bench.data import make_chunks, split_batches
 
 NUMPY_PATH = kvtier._engine.host_pieces
 BATCHED = kvtier._transfer._run_torch
@@ -63,7 +63,7 @@ async def _pass(
     async with kvtier.TransferEngine(layout, cfg) as engine:
         for direction in ("store", "load"):
             t0 = time.perf_counter()
-            for b in _batches(chunks, batch):
+            for b in split_batches(chunks, batch):
                 res = await getattr(engine, direction)(b)
                 assert not getattr(res, "failed", None), res
                 assert not getattr(res, "rejected", None), f"{direction} rejected keys: {res}"
@@ -87,7 +87,7 @@ def main() -> None:
     )
     bpc = 16
     layout = shape.build(bpc * (args.chunks // len(shape.groups()) + 1))
-    chunks = _chunks(layout, shape, bpc, 0, "random")[: args.chunks]
+    chunks = make_chunks(layout, shape, bpc, 0, "random")[: args.chunks]
     runs: dict[str, dict[str, list[float]]] = {v: {"store": [], "load": []} for v in VARIANTS}
     for _ in range(args.rounds):
         for name, (host, run_torch) in VARIANTS.items():

@@ -50,8 +50,8 @@ import kvtier
 import kvtier.io._files as files
 from kvtier._shapes import model_shape
 from kvtier.bench import BenchConfig
-from kvtier.bench.baselines import _Baselines
-from kvtier.bench.data import _batches, _chunks
+from kvtier.bench.baselines import Baselines
+from kvtier.bench.data import make_chunks, split_batches
 from kvtier.layout import round_up
 
 _CHECKSUM = files.payload_checksum
@@ -115,7 +115,7 @@ async def _leg(
         if variant == "meta_on_io_pool":
             tier = engine._writer._tier  # type: ignore[union-attr]
             tier._run_meta = tier._run  # type: ignore[method-assign]
-        for batch in _batches(chunks, 32):
+        for batch in split_batches(chunks, 32):
             await engine.store(batch)
         apply()
         busy_start()
@@ -144,11 +144,11 @@ def leg_setup(size_mib: int, where: str, prefix: str) -> tuple[Any, ...]:
     shape = model_shape(cfg.layout, cfg.tokens_per_block)
     num_blocks = cfg.size_bytes // shape.block_nbytes()
     layout = shape.build(num_blocks - num_blocks % 16, "cpu")
-    chunks = _chunks(layout, shape, 16, 0, "random")
+    chunks = make_chunks(layout, shape, 16, 0, "random")
     tmp = tempfile.mkdtemp(prefix=prefix, dir=where)
     rows = {g: round_up(layout.group_nbytes(g, 16)) + 4096 for g in layout.group_ids}
     row_bytes = sum(rows[c.key.group_id] for c in chunks)
-    base = _Baselines(cfg, tmp, row_bytes, max(rows.values()), len(chunks))
+    base = Baselines(cfg, tmp, row_bytes, max(rows.values()), len(chunks))
     return layout, chunks, tmp, len(rows), row_bytes, base
 
 

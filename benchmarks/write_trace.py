@@ -35,7 +35,7 @@ import uvloop
 from write_ab import leg_setup
 
 import kvtier
-from kvtier.bench.data import _batches
+from kvtier.bench.data import split_batches
 from kvtier.io import RowIO
 
 _EVENTS: list[tuple[str, float, float, int]] = []
@@ -119,7 +119,7 @@ async def main(args: argparse.Namespace) -> None:
             t1 = max(e[2] for e in _EVENTS)
             _report("raw ", t1 - seconds, t1, row_bytes)
             async with kvtier.TransferEngine(layout, engine_cfg) as engine:
-                for batch in _batches(chunks, 32):
+                for batch in split_batches(chunks, 32):
                     await engine.store(batch)
                 _EVENTS.clear()
                 t0 = time.perf_counter()

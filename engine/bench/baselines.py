@@ -29,7 +29,7 @@ def _whole(done: int, want: int, what: str) -> None:
         raise RuntimeError(f"bench {what}: {done} of {want} bytes")
 
 
-class _Baselines:
+class Baselines:
     """Raw sequential file I/O and file-per-chunk I/O with the engine's backend options."""
 
     def __init__(
@@ -150,6 +150,7 @@ class _Baselines:
         return dt
 
     def files_write(self) -> float:
+        """Seconds to write one file per chunk (write, fdatasync, rename), in parallel."""
         d = os.path.join(self.root, "files")
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)
@@ -166,6 +167,7 @@ class _Baselines:
         return self._parallel(one, self.nrows)
 
     def files_read(self) -> float:
+        """Seconds to read back the files of :meth:`files_write`, in parallel, cache dropped."""
         d = os.path.join(self.root, "files")
         for i in range(self.nrows):
             _drop_cache(os.path.join(d, f"{i}.kv"), self.io.direct)
@@ -179,6 +181,7 @@ class _Baselines:
         return self._parallel(one, self.nrows)
 
     def close(self) -> None:
+        """Shut the thread pools and the AIO context down."""
         self.pool.shutdown()
         self.hash_pool.shutdown()
         if isinstance(self.io, AioRowIO):
@@ -186,7 +189,7 @@ class _Baselines:
         self.buf.close()
 
 
-def _drop_tree_cache(root: str) -> None:
+def drop_tree_cache(root: str) -> None:
     """Evict every file under ``root`` from the page cache (buffered I/O only)."""
     for dirpath, _, files in os.walk(root):
         for f in files:

@@ -31,5 +31,5 @@ class BenchConfig:
     """Freeze the set-up heap before the phases, as a serving process does after start-up."""
 
 
-_SEGMENT_NBYTES = 256 << 20
+SEGMENT_NBYTES = 256 << 20
 """Segment file size of the bench's tiers (the first one per group is allocated whole)."""

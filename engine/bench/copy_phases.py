@@ -18,21 +18,32 @@ from kvtier._shapes import LayerSpec, ModelShape
 from kvtier._slots import HostRegion
 from kvtier._transfer import ChunkCopy, PieceSpec, piece_specs, slot_views
 from kvtier.bench.config import BenchConfig
-from kvtier.bench.data import _batches, _check, _chunks, _digests, _scribble
-from kvtier.bench.timing import Phase, _copy_pass
+from kvtier.bench.data import layout_digests, make_chunks, require, scribble_pages, split_batches
+from kvtier.bench.timing import Phase, copy_pass
 from kvtier.layout import KVLayout, round_up
 
 
-async def _copy_phases(
+async def run_copy_phases(
     cfg: BenchConfig, layout: KVLayout, chunks: list[kvtier.Chunk], report: dict[str, Phase]
 ) -> None:
+    """Time store and load against the plain-copy and torch-gather baselines.
+
+    Args:
+        cfg: The run's options (``blocks_per_chunk``, ``batch_chunks``, repeats).
+        layout: The GPU-side layout whose blocks are copied.
+        chunks: Every chunk of the data set (:func:`~kvtier.bench.data.make_chunks`).
+        report: The phases by name; their samples and baselines are filled in.
+
+    Raises:
+        AssertionError: A phase's bytes did not round-trip (digests differ).
+    """
     bpc = cfg.blocks_per_chunk
     engine_cfg = kvtier.EngineConfig(
         len(chunks) * layout.slot_nbytes(bpc),
         bpc,
         max_batch_chunks=cfg.batch_chunks,
     )
-    batches = _batches(chunks, cfg.batch_chunks)
+    batches = split_batches(chunks, cfg.batch_chunks)
     payload = sum(
         len(c.block_ids) * layout.group(c.key.group_id).block_payload_nbytes for c in chunks
     )
@@ -87,29 +98,29 @@ async def _copy_phases(
     # kvtier's loads put back every byte its stores took (checked after each
     # pass, not timed); the torch-gather load scatters ONE batch of slots into
     # every batch's blocks, so an untimed kvtier load restores the cache after it.
-    original = _digests(layout)
+    original = layout_digests(layout)
 
     def check(what: str) -> None:
-        _check(_digests(layout) == original, f"bench {what}: the KV cache changed bytes")
+        require(layout_digests(layout) == original, f"bench {what}: the KV cache changed bytes")
 
     for _ in range(cfg.repeat):
         async with kvtier.TransferEngine(layout, engine_cfg) as engine:
             for direction, phase in (("store", store), ("load", load)):
                 if direction == "load":
-                    _scribble(layout)  # not timed: the load must write every byte back
-                phase.seconds.append(await _copy_pass(engine, batches, direction, 1, phase))
+                    scribble_pages(layout)  # not timed: the load must write every byte back
+                phase.seconds.append(await copy_pass(engine, batches, direction, 1, phase))
                 if direction == "load":
                     check("store -> load")
                 phase.baselines["plain_copy"].append(plain(direction))
                 phase.baselines["torch_gather"].append(gather(direction))
-            await _copy_pass(engine, batches, "load", cfg.inflight_batches, None)
+            await copy_pass(engine, batches, "load", cfg.inflight_batches, None)
             check("restore after the torch-gather load")
         async with kvtier.TransferEngine(layout, engine_cfg) as engine:
             for direction, phase in (("store", store), ("load", load)):
                 if direction == "load":
-                    _scribble(layout)
+                    scribble_pages(layout)
                 phase.variants["pipelined"].append(
-                    await _copy_pass(engine, batches, direction, cfg.inflight_batches, None)
+                    await copy_pass(engine, batches, direction, cfg.inflight_batches, None)
                 )
             check("pipelined store -> load")
     dst.close()
@@ -151,7 +162,7 @@ def _torch_gather(
         torch.cuda.synchronize()
 
 
-async def _scheduling_overhead(
+async def scheduling_overhead(
     cfg: BenchConfig, shape: ModelShape, nchunks: int
 ) -> dict[str, float]:
     """Engine time per chunk when the copy itself costs ~nothing (16-byte pages).
@@ -169,8 +180,8 @@ async def _scheduling_overhead(
     bpc = cfg.blocks_per_chunk
     groups = len(tiny.groups())
     layout = tiny.build(bpc * (nchunks // groups + 1), cfg.device)
-    chunks = _chunks(layout, tiny, bpc, cfg.seed, cfg.block_order)
-    batches = _batches(chunks, cfg.batch_chunks)
+    chunks = make_chunks(layout, tiny, bpc, cfg.seed, cfg.block_order)
+    batches = split_batches(chunks, cfg.batch_chunks)
     ecfg = kvtier.EngineConfig(
         len(chunks) * layout.slot_nbytes(bpc), bpc, max_batch_chunks=cfg.batch_chunks
     )
@@ -178,5 +189,5 @@ async def _scheduling_overhead(
     for _ in range(max(3, cfg.repeat)):  # the median: a lone pass may catch a pause
         async with kvtier.TransferEngine(layout, ecfg) as engine:
             for direction, secs in runs.items():
-                secs.append(await _copy_pass(engine, batches, direction, 1, None))
+                secs.append(await copy_pass(engine, batches, direction, 1, None))
     return {d: round(1e6 * statistics.median(secs) / len(chunks), 2) for d, secs in runs.items()}

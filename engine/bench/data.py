@@ -19,7 +19,7 @@ from kvtier.io._format import payload_checksum
 from kvtier.layout import KVLayout
 
 
-def _chunks(
+def make_chunks(
     layout: KVLayout, shape: ModelShape, bpc: int, seed: int, block_order: str = "random"
 ) -> list[kvtier.Chunk]:
     """Every block of every group in chunks of ``bpc`` blocks.
@@ -41,7 +41,8 @@ def _chunks(
     return out
 
 
-def _batches(chunks: list[kvtier.Chunk], n: int) -> list[list[kvtier.Chunk]]:
+def split_batches(chunks: list[kvtier.Chunk], n: int) -> list[list[kvtier.Chunk]]:
+    """``chunks`` in consecutive calls of at most ``n`` chunks (the last may be shorter)."""
     return [chunks[i : i + n] for i in range(0, len(chunks), n)]
 
 
@@ -53,18 +54,19 @@ def _piece_views(layout: KVLayout) -> Iterator[torch.Tensor]:
                 yield p.view
 
 
-def _scribble(layout: KVLayout) -> None:
+def scribble_pages(layout: KVLayout) -> None:
+    """Fill every page of ``layout`` with ``0x5A`` bytes, so a check sees what a load restored."""
     for view in _piece_views(layout):
         view.fill_(0x5A)
 
 
-def _check(ok: bool, what: str) -> None:
+def require(ok: bool, what: str) -> None:
     """Raise ``AssertionError(what)`` unless ``ok`` (an ``assert`` would vanish under -O)."""
     if not ok:
         raise AssertionError(what)
 
 
-def _digests(layout: KVLayout) -> list[int]:
+def layout_digests(layout: KVLayout) -> list[int]:
     """The row checksum (xxh3-64) of every tensor's bytes: what the copy phases must keep."""
     out = []
     for piece in _piece_views(layout):

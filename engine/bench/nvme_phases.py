@@ -20,14 +20,14 @@ from collections.abc import Callable
 from typing import Any
 
 import kvtier
-from kvtier.bench.baselines import _Baselines, _drop_tree_cache
-from kvtier.bench.config import _SEGMENT_NBYTES, BenchConfig
-from kvtier.bench.data import _batches, _check, _digests, _scribble
-from kvtier.bench.timing import LagMonitor, Phase, _copy_pass
+from kvtier.bench.baselines import Baselines, drop_tree_cache
+from kvtier.bench.config import SEGMENT_NBYTES, BenchConfig
+from kvtier.bench.data import layout_digests, require, scribble_pages, split_batches
+from kvtier.bench.timing import LagMonitor, Phase, copy_pass
 from kvtier.layout import KVLayout, round_up
 
-_NVME_STEPS_PER_REPEAT = 12
-"""``progress`` calls of one repeat of :func:`_nvme_phases`."""
+NVME_STEPS_PER_REPEAT = 12
+"""``progress`` calls of one repeat of :func:`run_nvme_phases`."""
 
 
 async def _in_thread(fn: Callable[..., float], *args: Any) -> float:
@@ -47,7 +47,7 @@ async def _in_thread(fn: Callable[..., float], *args: Any) -> float:
         raise
 
 
-async def _nvme_phases(
+async def run_nvme_phases(
     cfg: BenchConfig,
     layout: KVLayout,
     chunks: list[kvtier.Chunk],
@@ -55,12 +55,28 @@ async def _nvme_phases(
     lag: LagMonitor,
     progress: Callable[[str], None],
 ) -> dict[str, Any]:
+    """Time the NVMe phases (write, write-through, read, full-tier rewrite) against raw I/O.
+
+    Args:
+        cfg: The run's options (root, backend, request size, repeats).
+        layout: The GPU-side layout whose blocks are stored.
+        chunks: Every chunk of the data set (:func:`~kvtier.bench.data.make_chunks`).
+        report: The phases by name; their samples and baselines are filled in.
+        lag: The event-loop lag monitor of the run.
+        progress: Called once per step (:data:`NVME_STEPS_PER_REPEAT` per repeat).
+
+    Returns:
+        What the run found about the disk: ``tmpdir``, ``direct_io``, ``backend``.
+
+    Raises:
+        AssertionError: Rows read back differ from what was stored.
+    """
     bpc = cfg.blocks_per_chunk
     base_root = cfg.root or os.getcwd()
     tmp = tempfile.mkdtemp(prefix="kvtier-bench-", dir=base_root)
     info: dict[str, Any] = {"tmpdir": tmp}
     loop = asyncio.get_running_loop()
-    baselines: _Baselines | None = None
+    baselines: Baselines | None = None
     try:
         rows = {g: round_up(layout.group_nbytes(g, bpc)) + 4096 for g in layout.group_ids}
         row_bytes = sum(rows[c.key.group_id] for c in chunks)
@@ -69,24 +85,24 @@ async def _nvme_phases(
         write.nbytes = e2e.nbytes = read.nbytes = full.nbytes = row_bytes
         full.baselines = {"raw_rewrite": [], "raw_rewrite_xxh3": []}
         e2e.baselines = {"raw_sequential": [], "raw_checksummed": []}
-        baselines = _Baselines(cfg, tmp, row_bytes, max(rows.values()), len(chunks))
+        baselines = Baselines(cfg, tmp, row_bytes, max(rows.values()), len(chunks))
         info["direct_io"] = baselines.io.direct
         info["backend"] = type(baselines.io).__name__
         for phase in (write, read):
             phase.baselines = {"raw_sequential": [], "raw_checksummed": [], "file_per_chunk": []}
         read.variants["cold_load"] = []
-        original = _digests(layout)  # the bytes the copy phases checked and left
+        original = layout_digests(layout)  # the bytes the copy phases checked and left
         for r in range(cfg.repeat):
             root = os.path.join(tmp, f"tier{r}")
             nvme = kvtier.NVMeConfig(
                 root=root,
-                capacity_bytes=2 * row_bytes + len(rows) * _SEGMENT_NBYTES,
+                capacity_bytes=2 * row_bytes + len(rows) * SEGMENT_NBYTES,
                 namespace=f"bench{r}",
                 io_backend=cfg.io_backend,
                 direct_io=cfg.direct_io,
                 io_threads=cfg.io_threads,
                 request_nbytes=cfg.request_nbytes,
-                segment_nbytes=_SEGMENT_NBYTES,
+                segment_nbytes=SEGMENT_NBYTES,
             )
             ecfg = kvtier.EngineConfig(
                 len(chunks) * layout.slot_nbytes(bpc),
@@ -113,27 +129,31 @@ async def _nvme_phases(
             e2e_cfg = dataclasses.replace(ecfg, nvme=dataclasses.replace(nvme, root=e2e_root))
             async with kvtier.TransferEngine(layout, e2e_cfg) as engine, lag.watch():
                 t0 = time.perf_counter()
-                for batch in _batches(chunks, cfg.batch_chunks):
+                for batch in split_batches(chunks, cfg.batch_chunks):
                     res = await engine.store(batch)
-                    _check(len(res.stored) == len(batch), "bench store rejected keys")
+                    require(len(res.stored) == len(batch), "bench store rejected keys")
                 await engine.flush()
                 e2e.seconds.append(time.perf_counter() - t0)
                 assert engine._writer is not None
                 e2e.batch_seconds.extend(engine._writer.batch_seconds)
                 failures = engine.stats().nvme or {}
-                _check(failures.get("write_failures", 0) == 0, f"NVMe write failures: {failures}")
+                require(failures.get("write_failures", 0) == 0, f"NVMe write failures: {failures}")
             # Not timed: the write-through rows load back, from NVMe, as the bytes stored.
-            _scribble(layout)
+            scribble_pages(layout)
             async with kvtier.TransferEngine(layout, e2e_cfg) as engine:
-                _check(
+                require(
                     engine.prefix_hits([c.key for c in chunks]) == len(chunks),
                     "bench write-through rows missing on NVMe",
                 )
-                await _copy_pass(
-                    engine, _batches(chunks, cfg.batch_chunks), "load", cfg.inflight_batches, None
+                await copy_pass(
+                    engine,
+                    split_batches(chunks, cfg.batch_chunks),
+                    "load",
+                    cfg.inflight_batches,
+                    None,
                 )
-            _check(
-                _digests(layout) == original,
+            require(
+                layout_digests(layout) == original,
                 "round trip store + write-through -> NVMe -> load changed bytes",
             )
             shutil.rmtree(e2e_root, ignore_errors=True)
@@ -147,28 +167,28 @@ async def _nvme_phases(
             progress(f"repeat {r + 1}/{cfg.repeat}: raw sequential read, checksummed")
             read.baselines["raw_checksummed"].append(await _in_thread(baselines.raw_read, True))
             progress(f"repeat {r + 1}/{cfg.repeat}: kvtier cold promotion")
-            batches = _batches(chunks, cfg.batch_chunks)
+            batches = split_batches(chunks, cfg.batch_chunks)
             for direction in ("prefetch", "load"):
                 if not baselines.io.direct:
-                    _drop_tree_cache(root)
-                _scribble(layout)
+                    drop_tree_cache(root)
+                scribble_pages(layout)
                 async with kvtier.TransferEngine(layout, ecfg) as engine, lag.watch():
-                    _check(
+                    require(
                         engine.prefix_hits([c.key for c in chunks]) == len(chunks),
                         "bench keys missing on NVMe",
                     )
                     timed = read if direction == "prefetch" else None
-                    seconds = await _copy_pass(
+                    seconds = await copy_pass(
                         engine, batches, direction, cfg.inflight_batches, timed
                     )
                     if direction == "prefetch":
                         read.seconds.append(seconds)
                         # untimed: the GPU blocks get the promoted bytes for the check
-                        await _copy_pass(engine, batches, "load", cfg.inflight_batches, None)
+                        await copy_pass(engine, batches, "load", cfg.inflight_batches, None)
                     else:
                         read.variants["cold_load"].append(seconds)
-                _check(
-                    _digests(layout) == original,
+                require(
+                    layout_digests(layout) == original,
                     f"round trip store -> NVMe -> {direction} changed bytes",
                 )
             info["verified_repeats"] = r + 1
@@ -197,9 +217,9 @@ async def _write_leg(
     ``timed``: the phase that gets the seconds and the per-batch latencies of
     the write, and the monitor of the event loop's lag during it.
     """
-    for batch in _batches(chunks, cfg.batch_chunks):  # device -> CPU, not timed
+    for batch in split_batches(chunks, cfg.batch_chunks):  # device -> CPU, not timed
         res = await engine.store(batch)
-        _check(len(res.stored) == len(batch), "bench store rejected keys")
+        require(len(res.stored) == len(batch), "bench store rejected keys")
     writer = engine._writer
     assert writer is not None
     first = len(writer.batch_seconds)
@@ -208,7 +228,7 @@ async def _write_leg(
         # Every key is resident and not yet on NVMe: this writes their rows.
         res = await engine.store(chunks, durable=True)
         seconds = time.perf_counter() - t0
-    _check(len(res.skipped) == len(chunks), "bench keys left the CPU tier")
+    require(len(res.skipped) == len(chunks), "bench keys left the CPU tier")
     if timed:
         timed[0].seconds.append(seconds)
         timed[0].batch_seconds.extend(list(writer.batch_seconds)[first:])
@@ -250,9 +270,9 @@ async def _full_tier_write(
         await _write_leg(engine, chunks, cfg)  # fill the tier, not timed
         await _write_leg(engine, fresh, cfg, (phase, lag))
         st = engine.stats().nvme or {}
-        _check(st.get("write_failures", 0) == 0, f"NVMe write failures: {st}")
+        require(st.get("write_failures", 0) == 0, f"NVMe write failures: {st}")
         evictions = st.get("evictions", 0)
-        _check(
+        require(
             isinstance(evictions, int) and evictions >= len(fresh),
             "the full tier evicted too few rows",
         )
@@ -273,27 +293,27 @@ async def _full_tier_write(
     # (a row written wrong is invalid at open, or fails its checksum); the
     # blocks of the evicted ones come back from the fresh-tier leg's tier
     # (``ecfg``: every chunk under its first key), so every tensor can be compared.
-    _scribble(layout)
+    scribble_pages(layout)
     async with kvtier.TransferEngine(layout, staged) as engine:
         on_nvme = engine.lookup([c.key for c in fresh])
         found = [
             c for c, where in zip(fresh, on_nvme, strict=True) if where is not kvtier.Residency.MISS
         ]
         invalid = (engine.stats().nvme or {}).get("invalid_rows_at_open", 0)
-        _check(
+        require(
             found == kept and invalid == 0,
             f"the full tier's rows at reopen: {len(found)} of the {len(kept)} new keys it held, "
             f"{invalid} invalid rows",
         )
-        await _copy_pass(engine, _batches(kept, cfg.batch_chunks), "load", 1, None)
+        await copy_pass(engine, split_batches(kept, cfg.batch_chunks), "load", 1, None)
     evicted = {c.key.block_hash[len(b"full/") :] for c in fresh} - {
         c.key.block_hash[len(b"full/") :] for c in kept
     }
-    _check(len(evicted) <= len(fresh) // 10, f"the full tier evicted {len(evicted)} new keys")
+    require(len(evicted) <= len(fresh) // 10, f"the full tier evicted {len(evicted)} new keys")
     phase.counts.setdefault("new_keys_evicted", []).append(len(evicted))
     if evicted:
         async with kvtier.TransferEngine(layout, ecfg) as engine:
             back = [c for c in chunks if c.key.block_hash in evicted]
-            await _copy_pass(engine, _batches(back, cfg.batch_chunks), "load", 1, None)
-    _check(_digests(layout) == original, "store -> NVMe (full tier) -> load changed bytes")
+            await copy_pass(engine, split_batches(back, cfg.batch_chunks), "load", 1, None)
+    require(layout_digests(layout) == original, "store -> NVMe (full tier) -> load changed bytes")
     await asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, root, True)

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 
 from kvtier._shapes import ModelShape, model_shape
-from kvtier.bench.config import _SEGMENT_NBYTES, BenchConfig
+from kvtier.bench.config import SEGMENT_NBYTES, BenchConfig
 from kvtier.io import AioRowIO
 from kvtier.io._tier import GROW_NBYTES
 from kvtier.layout import round_up
@@ -90,8 +90,8 @@ def preflight(cfg: BenchConfig) -> tuple[ModelShape, int]:
     try:
         # raw.bin, the file-per-chunk files and two tiers at once (tier{r}, tier{r}-e2e),
         # each tier with up to one growth step per group beyond its rows (NVMeTier).
-        capacity = 2 * rows + len(groups) * _SEGMENT_NBYTES
-        step = min(_SEGMENT_NBYTES - 4096, GROW_NBYTES, capacity // (4 * len(groups)))
+        capacity = 2 * rows + len(groups) * SEGMENT_NBYTES
+        step = min(SEGMENT_NBYTES - 4096, GROW_NBYTES, capacity // (4 * len(groups)))
         least = 2 * len(groups) * step  # each group's first segment file, in two tiers
         need = 4 * rows + least
         free = shutil.disk_usage(probe).free

@@ -13,7 +13,7 @@ def _ms(value: float | None) -> str:
     return "" if value is None else f"{value:.3f}"
 
 
-def _size(nbytes: int) -> str:
+def format_size(nbytes: int) -> str:
     """``nbytes`` in the largest binary unit that keeps it at 1 or more (``"256 MiB"``)."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if nbytes >= 1 << shift:
@@ -34,7 +34,7 @@ def format_table(result: dict[str, Any]) -> Any:
         f"{cfg['repeat']} repeat{'s' if cfg['repeat'] != 1 else ' (single samples: noisy)'}"
     )
     if moved > cfg["size_bytes"]:  # the data set holds at least one chunk per group
-        caption += f"; above --size {_size(cfg['size_bytes'])}: one chunk per group"
+        caption += f"; above --size {format_size(cfg['size_bytes'])}: one chunk per group"
     table = Table(
         title=f"kvtier bench - {escape(result['layout']['name'])} ({result['machine']['device']})",
         caption=caption,

@@ -21,9 +21,9 @@ from rich.markup import escape
 import kvtier
 from kvtier._shapes import ModelShape
 from kvtier.bench.config import BenchConfig
-from kvtier.bench.copy_phases import _copy_phases, _scheduling_overhead
-from kvtier.bench.data import _chunks
-from kvtier.bench.nvme_phases import _NVME_STEPS_PER_REPEAT, _nvme_phases
+from kvtier.bench.copy_phases import run_copy_phases, scheduling_overhead
+from kvtier.bench.data import make_chunks
+from kvtier.bench.nvme_phases import NVME_STEPS_PER_REPEAT, run_nvme_phases
 from kvtier.bench.preflight import preflight
 from kvtier.bench.timing import LagMonitor, Phase
 from kvtier.layout import KVLayout, round_up
@@ -33,10 +33,10 @@ def bench_steps(cfg: BenchConfig) -> int:
     """How many times :func:`run_bench` calls its ``progress`` callback for ``cfg``.
 
     Set-up, the copy phases and the scheduling overhead, plus
-    ``_NVME_STEPS_PER_REPEAT`` per repeat with ``cfg.nvme``: the total of a
+    ``NVME_STEPS_PER_REPEAT`` per repeat with ``cfg.nvme``: the total of a
     progress bar whose ``n``-th call starts step ``n``.
     """
-    return 3 + (_NVME_STEPS_PER_REPEAT * cfg.repeat if cfg.nvme else 0)
+    return 3 + (NVME_STEPS_PER_REPEAT * cfg.repeat if cfg.nvme else 0)
 
 
 async def run_bench(
@@ -65,7 +65,7 @@ async def run_bench(
     shape, num_blocks = preflight(cfg)
     progress(f"allocating {escape(shape.name)}: {num_blocks} blocks")
     layout = shape.build(num_blocks, cfg.device)
-    chunks = _chunks(layout, shape, cfg.blocks_per_chunk, cfg.seed, cfg.block_order)
+    chunks = make_chunks(layout, shape, cfg.blocks_per_chunk, cfg.seed, cfg.block_order)
     # A caller that froze its heap already manages the collector: leave it alone.
     freeze = cfg.gc_freeze and gc.get_freeze_count() == 0
     if freeze:
@@ -101,16 +101,16 @@ async def _run_phases(
         )
     }
     progress("copy phases")
-    await _copy_phases(cfg, layout, chunks, report)
+    await run_copy_phases(cfg, layout, chunks, report)
     lag = LagMonitor()
     io_info: dict[str, Any] = {}
     if cfg.nvme:
-        io_info = await _nvme_phases(cfg, layout, chunks, report, lag, progress)
+        io_info = await run_nvme_phases(cfg, layout, chunks, report, lag, progress)
     else:
         for name in ("nvme_write", "nvme_write_full", "nvme_write_e2e", "nvme_read"):
             del report[name]
     progress("scheduling overhead")
-    overhead = await _scheduling_overhead(cfg, shape, len(chunks))
+    overhead = await scheduling_overhead(cfg, shape, len(chunks))
     bpc = cfg.blocks_per_chunk
     return {
         # the block size in effect (a layout file's own tokens_per_block wins)

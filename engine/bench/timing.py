@@ -1,7 +1,7 @@
 """What the phases measure with.
 
 :class:`Phase` holds the figures of one phase and its baselines,
-:class:`LagMonitor` the event loop's lag, and :func:`_copy_pass` times one pass
+:class:`LagMonitor` the event loop's lag, and :func:`copy_pass` times one pass
 of engine calls (store, load or prefetch) over every batch.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kvtier
-from kvtier.bench.data import _check
+from kvtier.bench.data import require
 
 
 @dataclass
@@ -99,7 +99,7 @@ def _first(failed: dict[Any, BaseException]) -> str:
     return f"{key}: {err}{more}"
 
 
-async def _copy_pass(
+async def copy_pass(
     engine: kvtier.TransferEngine,
     batches: list[list[kvtier.Chunk]],
     direction: str,
@@ -117,14 +117,14 @@ async def _copy_pass(
             t0 = time.perf_counter()
             if direction == "store":
                 res = await engine.store(batch)
-                _check(len(res.stored) == len(batch), "bench store rejected keys")
+                require(len(res.stored) == len(batch), "bench store rejected keys")
             elif direction == "prefetch":
                 pre = await engine.prefetch([c.key for c in batch])
-                _check(not pre.failed, f"bench prefetch failed: {_first(pre.failed)}")
-                _check(len(pre.promoted) == len(batch), "bench prefetch promoted too few keys")
+                require(not pre.failed, f"bench prefetch failed: {_first(pre.failed)}")
+                require(len(pre.promoted) == len(batch), "bench prefetch promoted too few keys")
             else:
                 out = await engine.load(batch)
-                _check(not out.failed, f"bench load failed: {_first(out.failed)}")
+                require(not out.failed, f"bench load failed: {_first(out.failed)}")
             if phase is not None:
                 phase.batch_seconds.append(time.perf_counter() - t0)
 

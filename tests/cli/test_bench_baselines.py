@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvtier.bench import BenchConfig, baselines
-from kvtier.bench.baselines import _Baselines
+from kvtier.bench.baselines import Baselines
 from kvtier.io._aio import aio_supported
 
 REQ = 1 << 20
@@ -22,7 +22,7 @@ def test_checksummed_raw_baselines_hash_every_request_and_move_the_same_bytes(
         pytest.skip("no Linux AIO context here")
     cfg = BenchConfig(io_backend=backend, request_nbytes=REQ, io_threads=2)
     total = 5 * REQ + 3 * 4096  # the last request is a short one
-    base = _Baselines(cfg, str(tmp_path), total, 64 << 10, 4)
+    base = Baselines(cfg, str(tmp_path), total, 64 << 10, 4)
     try:
         data = torch.randint(0, 256, (total,), dtype=torch.uint8)
         base.buf.tensor[:total] = data

@@ -344,7 +344,7 @@ def test_a_data_set_beyond_memory_is_a_one_line_error(
 
 def test_batch_chunks_larger_than_the_data_set_still_runs(tmp_path: Path) -> None:
     """Regression: the torch-gather baseline sizes its region by the chunks there are,
-    not by --batch-chunks (bench/copy_phases.py _copy_phases), so a large --batch-chunks does not
+    not by --batch-chunks (bench/copy_phases.py run_copy_phases), so a large --batch-chunks does not
     fail with ENOMEM."""
     res = _kvtier_limited("bench", *TINY, "--no-nvme", "--batch-chunks", "100000", cwd=tmp_path)
     assert "Traceback" not in res.stderr, res.stderr[-2000:]
@@ -407,7 +407,7 @@ def test_dir_on_a_read_only_filesystem_is_a_usage_error(tmp_path: Path) -> None:
 def test_a_read_only_current_folder_is_refused_before_the_run(tmp_path: Path) -> None:
     """Regression: without --dir the current folder is checked before the run, so
     mkdtemp does not fail after the copy phases with a traceback
-    (bench/nvme_phases.py _nvme_phases)."""
+    (bench/nvme_phases.py run_nvme_phases)."""
     rc, _out, err, _left = _bench_on_tmpfs(tmp_path / "ro", "size=8m,ro", "--size 4M --repeat 1")
     assert rc in (1, 2), err
     assert "Traceback" not in err, err[-2000:]
@@ -582,21 +582,21 @@ def test_every_check_compares_with_the_bytes_the_bench_generated(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Regression: every check compares with the digests of the bytes the bench
-    generated. (The torch_gather load baseline, _torch_gather in _copy_phases, once
+    generated. (The torch_gather load baseline, _torch_gather in run_copy_phases, once
     wrote the last batch's slots into every batch's blocks, and the NVMe check
     compared with that cache: chunks at one batch position held the same bytes.)"""
     from kvtier._shapes import model_shape
     from kvtier.bench import BenchConfig, copy_phases, data, nvme_phases, run_bench
 
     seen: list[tuple[int, list[int]]] = []
-    real = data._digests
+    real = data.layout_digests
 
     def digests(layout: Any) -> list[int]:  # every digest a check takes
         seen.append((layout.group(0).num_blocks, real(layout)))
         return seen[-1][1]
 
     for module in (copy_phases, nvme_phases):  # the modules whose checks call it
-        monkeypatch.setattr(module, "_digests", digests)
+        monkeypatch.setattr(module, "layout_digests", digests)
     cfg = BenchConfig(
         layout="llama-3-8b", size_bytes=1, blocks_per_chunk=1, batch_chunks=2, repeat=1,
         device="cpu", root=str(tmp_path), direct_io="off",

@@ -283,7 +283,7 @@ def test_rows_written_corrupt_by_the_cpu_to_nvme_leg_fail_the_bench(
 def test_rows_written_corrupt_by_write_through_fail_the_bench(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Regression: bench/nvme_phases.py _nvme_phases reads back the rows nvme_write_e2e wrote
+    """Regression: bench/nvme_phases.py run_nvme_phases reads back the rows nvme_write_e2e wrote
     before the e2e root is removed: a write-through path writing wrong bytes fails the
     run instead of being timed and reported as a good figure."""
     detected, hits = _bench_with_corrupt_writes(tmp_path, monkeypatch, f"-e2e{os.sep}")
@@ -305,7 +305,7 @@ def test_rows_written_corrupt_on_the_full_tier_fail_the_bench(
 def test_a_pipelined_load_that_writes_nothing_fails_the_bench(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Regression: bench/copy_phases.py _copy_phases scribbles over the cache before it checks
+    """Regression: bench/copy_phases.py run_copy_phases scribbles over the cache before it checks
     'pipelined store -> load', so a pipelined load that writes nothing fails the run
     (it once passed on a cache the load's own data already filled)."""
     import kvtier

@@ -391,10 +391,10 @@ def test_bench_stopped_by_sigterm_removes_its_directory(tmp_path: Path, moment: 
 
 
 def test_the_table_caption_names_a_size_below_one_mib_in_kib() -> None:
-    from kvtier.bench.report import _size
+    from kvtier.bench.report import format_size
 
-    assert _size(1024) == "1 KiB"  # was "0 MiB" in the caption of `--size 1K`
-    assert _size(1536) == "1.5 KiB"
-    assert _size(24 << 20) == "24 MiB"
-    assert _size(3 << 30) == "3 GiB"
-    assert _size(100) == "100 bytes"
+    assert format_size(1024) == "1 KiB"  # was "0 MiB" in the caption of `--size 1K`
+    assert format_size(1536) == "1.5 KiB"
+    assert format_size(24 << 20) == "24 MiB"
+    assert format_size(3 << 30) == "3 GiB"
+    assert format_size(100) == "100 bytes"

@@ -39,7 +39,7 @@ import kvtier
 from kvtier import errors
 from kvtier._slots import HostRegion
 from kvtier.bench import BenchConfig, baselines
-from kvtier.bench.baselines import _Baselines
+from kvtier.bench.baselines import Baselines
 from kvtier.errors import storage_error_kind
 from kvtier.io import KvikioRowIO, PosixRowIO
 from kvtier.io._aio import aio_supported
@@ -219,7 +219,7 @@ def test_checksummed_raw_baselines_move_the_same_bytes_and_hash_each_request_onc
     if direct == "on" and not probe_direct_io(tmp_path):
         pytest.skip("no O_DIRECT on this filesystem")
     cfg = BenchConfig(io_backend=backend, direct_io=direct, request_nbytes=req, io_threads=threads)
-    base = _Baselines(cfg, str(tmp_path), total, 4096, 1)
+    base = Baselines(cfg, str(tmp_path), total, 4096, 1)
     try:
         assert base.io.direct is (direct == "on")
         n = base.total
@@ -259,7 +259,7 @@ def test_checksummed_raw_baselines_move_the_same_bytes_and_hash_each_request_onc
 
 def test_bench_close_shuts_down_its_io_and_hash_pools(tmp_path: Path) -> None:
     cfg = BenchConfig(io_backend="posix", direct_io="off", request_nbytes=4096, io_threads=2)
-    base = _Baselines(cfg, str(tmp_path), 8 * 4096, 4096, 1)
+    base = Baselines(cfg, str(tmp_path), 8 * 4096, 4096, 1)
     assert base.hash_pool._max_workers == max(1, min(2, os.cpu_count() or 1))
     base.raw_write(checksum=True)
     base.raw_read(checksum=True)
@@ -275,7 +275,7 @@ def test_bench_close_shuts_down_its_io_and_hash_pools(tmp_path: Path) -> None:
 def test_checksummed_raw_write_writes_its_bytes_under_python_dash_o(tmp_path: Path) -> None:
     """Regression: under ``python -O`` the raw baselines do their I/O.
 
-    ``_Baselines._sequential`` (engine/bench/baselines.py) must not issue a request
+    ``Baselines._sequential`` (engine/bench/baselines.py) must not issue a request
     inside an ``assert`` (``assert op(h, [...], off) == size`` on the posix
     path, ``assert fut.result() == sizes[i]`` on the aio path; the same in
     ``files_write``/``files_read``): ``-O`` strips asserts, so the posix
@@ -289,9 +289,9 @@ def test_checksummed_raw_write_writes_its_bytes_under_python_dash_o(tmp_path: Pa
         f"""
         import os, sys
         from kvtier.bench import BenchConfig
-        from kvtier.bench.baselines import _Baselines
+        from kvtier.bench.baselines import Baselines
         cfg = BenchConfig(io_backend="posix", direct_io="off", request_nbytes=8192, io_threads=2)
-        base = _Baselines(cfg, {str(tmp_path)!r}, 5 * 4096, 4096, 1)
+        base = Baselines(cfg, {str(tmp_path)!r}, 5 * 4096, 4096, 1)
         base.buf.tensor[: base.total] = 7
         base.raw_write(checksum=True)
         with open(os.path.join({str(tmp_path)!r}, "raw.bin"), "rb") as f:
