@@ -418,7 +418,7 @@ async def test_cancelled_read_rows_keeps_slots_busy_until_drain(aio_dir: pathlib
 def test_tier_task_cancelled_at_loop_shutdown_does_not_kill_the_reaper(
     aio_dir: pathlib.Path,
 ) -> None:
-    """BUG (io/_batches.py:219-221 / 384-386 with io/_aio.py:194-198): the tier
+    """BUG (io/_requests.py request_done with io/_aio.py:194-198): the tier
     awaits ``asyncio.wrap_future(fut)``; when its task is cancelled (here:
     ``asyncio.run`` cancels the tasks left at the end, a caller that forgot to
     close), ``wrap_future`` cancels the concurrent future, and the reaper then

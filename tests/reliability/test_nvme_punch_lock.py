@@ -4,17 +4,17 @@ The change (13ba75d, on e3e16b3 and 01236d9): a write whose group has no key
 of its own to take when its segments cannot grow (ENOSPC below
 ``capacity_bytes``) punches rows of other groups for one row under a tier-wide
 ``asyncio.Lock`` (``tier._punch_lock``, taken while the group's segment lock is
-held, ``_batches._on_full_disk`` -> ``_batches._punch_for_row``): up to four
+held, ``_disk_space.on_full_disk`` -> ``_disk_space._punch_for_row``): up to four
 rounds of their free rows (``RowIndex.take_for_disk(keys=False, skip=...)``,
 rows found "unsure" at open by ``lseek`` last), each followed by a one-row
-growth (``_grow_row``), then up to two rounds of their least recently used
+growth (``_growth.grow_row``), then up to two rounds of their least recently used
 keys. Once the filesystem was seen full (``tier._disk_was_full``) every
-on-demand allocation (``_batches._allocate``: fill a punched row, or grow)
-runs under that lock too. Background growth ahead (``_grow_ahead``) does not.
+on-demand allocation (``_writes._allocate``: fill a punched row, or grow)
+runs under that lock too. Background growth ahead (``_growth._grow_ahead``) does not.
 At open, rows the extents do not cover whole count as punched; where FIEMAP is
 not answered (tmpfs) ``lseek(SEEK_DATA)`` finds them and they are kept as
 "unsure" (``RowIndex._unsure``; after this review's finding, replaced by
-punching those free rows at open, ``_batches._punch_unsure``).
+punching those free rows at open, ``_blanking.punch_unsure``).
 
 This pass looks at what ``test_nvme_keyless_punch.py`` did not: hangs between the
 punch lock, segment locks, growth ahead, growth futures (``tier._growing``),
@@ -202,7 +202,7 @@ def _call_keys(
 # _files.data_extents (lseek SEEK_DATA) reports as holes as punched, so held_nbytes left out
 # blocks the files held; take_to_punch skipped them and over_budget never saw them, and the
 # segment files held more than disk_budget_nbytes for good. Now the open punches those free
-# rows (_batches._punch_unsure), so the count is exact.
+# rows (_blanking.punch_unsure), so the count is exact.
 async def test_after_a_reopen_on_tmpfs_the_files_hold_no_more_than_the_disk_budget(
     tmpfs, slots
 ) -> None:

@@ -2,9 +2,9 @@
 
 The change: a group's segments grow by a whole step (ahead of need or on
 demand) only while ``statvfs`` shows ``_FREE_STEPS`` (4) such steps free, else
-by one row (``_batches._room_for_steps``, now ``_claim_growth``); a growth that fails with ENOSPC or
+by one row (``_growth.claim_growth``); a growth that fails with ENOSPC or
 EDQUOT while another group's growth is in flight waits for it and tries once
-more (``_batches._on_full_disk``); growth-ahead failures log at INFO once per
+more (``_disk_space.on_full_disk``); growth-ahead failures log at INFO once per
 group. It fixed one group's first step taking a whole small filesystem, so
 that another group, with no row and no key to take, failed every write.
 
@@ -80,7 +80,7 @@ def _kinds(results: list[BaseException | None]) -> list[str | None]:
 # were never evicted for it (capacity_bytes is not reached): it failed every write with
 # 'enospc', for good, and a reopen did the same. Now a write whose group has no key of its own
 # to take punches free rows of other groups, then their least recently used keys, enough for
-# its row, and grows (_batches._on_full_disk, RowIndex.take_for_disk); later writes of that
+# its row, and grows (_disk_space.on_full_disk, RowIndex.take_for_disk); later writes of that
 # group reuse its own keys' rows as every group does on a full filesystem, so a group gets as
 # many rows as its largest call holds keys.
 @pytest.mark.parametrize("grow_ahead", [False, True])
@@ -186,7 +186,7 @@ async def test_a_write_into_a_hole_the_index_did_not_know_of_punches_that_row(tm
 # write_rows call with a key per group) all saw four steps free and all grew a whole step; on a
 # filesystem of four steps one group got no segment, had no key to take and failed every write
 # with 'enospc' for good. Now growths are sized one at a time, against the free space less
-# what the growths sized and not yet done claimed (_batches._claim_growth)
+# what the growths sized and not yet done claimed (_growth.claim_growth)
 @pytest.mark.parametrize("grow_ahead", [False, True])
 async def test_bug_five_groups_growing_at_once_all_pass_the_free_space_check(
     tmpfs, slots, grow_ahead
