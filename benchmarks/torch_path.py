@@ -35,7 +35,7 @@ import kvtier
 import kvtier._engine
 import kvtier._transfer
 from kvtier._shapes import LayerSpec, ModelShape, model_shape
-from kvtier.bench import _batches, _chunks
+from kvtier.bench.data import _batches, _chunks
 
 NUMPY_PATH = kvtier._engine.host_pieces
 BATCHED = kvtier._transfer._run_torch

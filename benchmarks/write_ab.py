@@ -49,7 +49,9 @@ import uvloop
 import kvtier
 import kvtier.io._files as files
 from kvtier._shapes import model_shape
-from kvtier.bench import BenchConfig, _Baselines, _batches, _chunks
+from kvtier.bench import BenchConfig
+from kvtier.bench.baselines import _Baselines
+from kvtier.bench.data import _batches, _chunks
 from kvtier.layout import round_up
 
 _CHECKSUM = files.payload_checksum

@@ -35,7 +35,7 @@ import uvloop
 from write_ab import leg_setup
 
 import kvtier
-from kvtier.bench import _batches
+from kvtier.bench.data import _batches
 from kvtier.io import RowIO
 
 _EVENTS: list[tuple[str, float, float, int]] = []

@@ -373,13 +373,28 @@ def roundtrip(**kw: Any) -> None:
 @main.command()
 @click.argument("root", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def inspect(root: str, as_json: bool) -> None:
-    """List namespaces, formats, rows per group and invalid rows under ROOT."""
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="Read every row and check its payload checksum (reads all the data); "
+    "exit 1 on a corrupt or torn row or an invalid segment file.",
+)
+def inspect(root: str, as_json: bool, verify: bool) -> None:
+    """List namespaces, formats, rows per group and invalid rows under ROOT.
+
+    Read-only: takes no namespace lock, so it can run next to a live engine.
+    """
     from kvtier.io import inspect_root
 
-    info = inspect_root(root)
+    show, clear = _progress_line() if verify and not as_json else (None, _no_line)
+    try:
+        info = inspect_root(root, verify=verify, progress=show)
+    finally:
+        clear()
     if as_json:  # an empty list for a root without namespaces: scripts read it as such
         click.echo(json.dumps(info, indent=2, default=str))
+        if verify and not info["clean"]:
+            sys.exit(1)
         return
     if not info["namespaces"]:
         raise click.ClickException(
@@ -387,29 +402,122 @@ def inspect(root: str, as_json: bool) -> None:
             "holds none yet (or none left), or it is not the NVMeConfig.root the engines use"
         )
     click.echo(f"root: {info['root']}")
-    for ns in info["namespaces"]:
-        fmt = ns.get("format") or {}
-        pid = ns.get("locked_by_pid")
-        holder = "held by no engine" if pid is None else f"held by a live engine (pid {pid})"
-        disk = ns.get("disk_nbytes", 0) / 2**20
+    if not verify:
         click.echo(
-            f"- {ns['directory']}  namespace={fmt.get('namespace', '?')} "
-            f"blocks_per_chunk={fmt.get('blocks_per_chunk', '?')}; {holder}; "
-            f"{disk:.1f} MiB on disk"
+            "payloads not read; run with --verify to check them (valid: the trailer decodes "
+            "and matches the format)"
         )
-        valid = sum(grp.get("valid_rows", 0) for grp in ns["groups"].values())
-        click.echo(f"    {_format_summary(fmt, ns.get('last_written'), valid)}")
-        for err in ns.get("errors", []):
-            click.echo(f"    error: {err}")
-        for g, grp in sorted(ns["groups"].items(), key=lambda kv: int(kv[0])):
+    for ns in info["namespaces"]:
+        _echo_namespace(ns, verify)
+    if verify:
+        total = {
+            c: sum(ns["summary"][c] for ns in info["namespaces"])
+            for c in ("valid_rows", "corrupt_rows", "torn_rows", "invalid_segments")
+        }
+        if info["clean"]:
+            click.echo(
+                f"verified: {total['valid_rows']} valid rows; no corrupt or torn row, "
+                "no invalid segment file"
+            )
+        else:
+            click.echo(
+                f"verify FAILED: {total['corrupt_rows']} corrupt, {total['torn_rows']} torn "
+                f"rows, {total['invalid_segments']} invalid segment file(s)"
+            )
+            sys.exit(1)
+
+
+def _echo_namespace(ns: dict[str, Any], verify: bool) -> None:
+    """Print one namespace of :func:`kvtier.io.inspect_root`'s result (``verify``: its counts)."""
+    fmt = ns.get("format") or {}
+    pid = ns.get("locked_by_pid")
+    holder = "held by no engine" if pid is None else f"held by a live engine (pid {pid})"
+    disk = ns.get("disk_nbytes", 0) / 2**20
+    click.echo(
+        f"- {ns['directory']}  namespace={fmt.get('namespace', '?')} "
+        f"blocks_per_chunk={fmt.get('blocks_per_chunk', '?')}; {holder}; "
+        f"{disk:.1f} MiB on disk"
+    )
+    valid = sum(grp.get("valid_rows", 0) for grp in ns["groups"].values())
+    click.echo(f"    {_format_summary(fmt, ns.get('last_written'), valid)}")
+    if verify:
+        t = ns["summary"]
+        click.echo(
+            f"    verified: {t['valid_rows']} valid, {t['corrupt_rows']} corrupt, "
+            f"{t['torn_rows']} torn, {t['blank_rows']} blank rows; "
+            f"{t['invalid_segments']} invalid segment file(s)"
+        )
+    for err in ns.get("errors", []):
+        click.echo(f"    error: {err}")
+    for g, grp in sorted(ns["groups"].items(), key=lambda kv: int(kv[0])):
+        grows = (
+            f"in {len(grp['segments'])} segment file(s) that can grow to {grp['rows']} rows "
+            "(the tier adds files as it needs them)"
+        )
+        if verify:
+            click.echo(
+                f"    g{g}: {grp['allocated_rows']} rows allocated: {grp['valid_rows']} valid, "
+                f"{grp['corrupt_rows']} corrupt, {grp['torn_rows']} torn, "
+                f"{grp['blank_rows']} blank, {grows}"
+            )
+        else:
             click.echo(
                 f"    g{g}: {grp['allocated_rows']} rows allocated, {grp['valid_rows']} valid, "
-                f"{grp['invalid_rows']} invalid, in {len(grp['segments'])} segment file(s) "
-                f"that can grow to {grp['rows']} rows (the tier adds files as it needs them)"
+                f"{grp['invalid_rows']} invalid, {grows}"
             )
-            for seg in grp["segments"]:
-                if seg.get("error"):
-                    click.echo(f"      {seg.get('file', '?')}: {seg['error']}")
+        for seg in grp["segments"]:
+            name = seg.get("file", "?")
+            if seg.get("error"):
+                click.echo(f"      {name}: {seg['error']}")
+                continue
+            problems = seg.get("problems", [])
+            for p in problems:
+                click.echo(f"      {name}: row {p['row']}: {p['kind']}: {p['error']}")
+            more = seg["invalid_rows"] - len(problems)
+            if verify and more > 0:
+                click.echo(f"      {name}: {more} more corrupt or torn row(s)")
+            if not verify and seg.get("truncated"):
+                click.echo(
+                    f"      {name}: truncated: the file ends inside row {seg['allocated_rows']}"
+                )
+
+
+def _no_line() -> None:
+    """Nothing to clear: no progress line was drawn."""
+
+
+def _progress_line() -> tuple[Callable[[int, int], None] | None, Callable[[], None]]:
+    """A one-line progress display on stderr when it is a terminal, and its eraser.
+
+    Returns:
+        ``(show, clear)``: ``show(bytes_done, bytes_total)`` redraws the line
+        (at most ten times a second, and at the end), ``clear()`` erases it.
+        ``show`` is None when stderr is not a terminal (nothing is written).
+    """
+    stream = sys.stderr
+    if not stream.isatty():
+        return None, _no_line
+    last = -1.0
+    width = 0
+
+    def show(done: int, total: int) -> None:
+        nonlocal last, width
+        now = time.monotonic()
+        if now - last < 0.1 and done < total:
+            return
+        last = now
+        pct = 100 * done // total if total else 100
+        text = f"kvtier inspect --verify: {pct:3d}% ({done / 2**20:.1f} of {total / 2**20:.1f} MiB)"
+        width = max(width, len(text))
+        stream.write("\r" + text.ljust(width))
+        stream.flush()
+
+    def clear() -> None:
+        if width:
+            stream.write("\r" + " " * width + "\r")
+            stream.flush()
+
+    return show, clear
 
 
 def _format_summary(fmt: dict[str, Any], last_written: float | None, valid_rows: int) -> str:

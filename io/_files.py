@@ -698,9 +698,28 @@ def verify_row(spec: GroupSpec, job: ReadJob) -> StorageError | None:
         why = f"seq/range {trailer.seq}:{trailer.start}..{trailer.stop} differs from the index"
     if why:
         return StorageError("trailer", f"{job.key}: trailer mismatch: {why}")
-    if payload_checksum(job.buf[: spec.payload_region]) != trailer.checksum:
+    if not payload_matches(spec, job.buf, trailer):
         return StorageError("checksum", f"{job.key}: payload checksum mismatch")
     return None
+
+
+def payload_matches(spec: GroupSpec, row: memoryview, trailer: RowTrailer) -> bool:
+    """Whether the payload region of a row matches the checksum its trailer holds.
+
+    The check a row read must pass before any of its bytes is used (after
+    :func:`validate_trailer`); CPU only, one pass over the payload region.
+
+    Args:
+        spec: the row's group (its ``payload_region`` is the checksummed span).
+        row: the row's bytes from its start (at least ``spec.payload_region``).
+        trailer: the row's decoded trailer.
+
+    Returns:
+        True when xxh3-64 of ``row[:spec.payload_region]`` equals
+        ``trailer.checksum``.
+
+    """
+    return payload_checksum(row[: spec.payload_region]) == trailer.checksum
 
 
 def group_layout_json(

@@ -1,21 +1,38 @@
-"""``kvtier inspect ROOT``: a read-only summary of an NVMe root (blocks; no locks taken)."""
+"""``kvtier inspect ROOT``: a read-only summary of an NVMe root (blocks; no locks taken).
+
+With ``verify=True`` it also reads every row and checks it as a tier read
+does (:func:`kvtier.io._files.validate_trailer`, then
+:func:`kvtier.io._files.payload_matches`).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
 import pathlib
 import re
 import stat
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import StorageError
-from kvtier.io._files import SEGMENT_SUFFIX, list_segments
+from kvtier.io._align import round_up
+from kvtier.io._files import (
+    SEGMENT_SUFFIX,
+    GroupSpec,
+    list_segments,
+    payload_matches,
+    validate_trailer,
+)
 from kvtier.io._format import (
     HEADER_NBYTES,
     TRAILER_NBYTES,
+    RowTrailer,
+    SegmentHeader,
     decode_header,
     decode_trailer,
     is_blank,
@@ -29,28 +46,187 @@ REMOVING_PREFIX = ".kvtier-removing-"
 """Name prefix of a namespace directory that ``kvtier remove`` is deleting."""
 
 
-def _invalid_segment(info: dict[str, Any], error: str) -> dict[str, Any]:
+MAX_PROBLEMS = 20
+"""Rows of one segment that ``verify`` describes in ``problems`` (the rest are counted)."""
+
+Progress = Callable[[int, int], None]
+"""``progress(bytes_done, bytes_total)``: called as ``verify`` reads the segment files."""
+
+
+@dataclass(frozen=True, slots=True)
+class _GroupFormat:
+    """What ``format.json`` says about one group's rows (None: it does not say)."""
+
+    group_id: int
+    digest: bytes | None
+    row_nbytes: int | None
+    blocks_per_chunk: int | None
+
+
+@dataclass(slots=True)
+class _Reading:
+    """Bytes a ``verify`` pass has gone through, reported to its progress callback."""
+
+    progress: Progress | None
+    total: int
+    done: int = 0
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.progress is not None:
+            self.progress(min(self.done, self.total), self.total)
+
+
+def _invalid_segment(info: dict[str, Any], error: str, verify: bool) -> dict[str, Any]:
     info.update(header_valid=False, error=error, rows=0, valid_rows=0, invalid_rows=0)
+    if verify:
+        info.update(corrupt_rows=0, torn_rows=0, blank_rows=0, truncated=False, problems=[])
     return info
 
 
-def _inspect_segment(path: pathlib.Path, digest: bytes | None, group_id: int) -> dict[str, Any]:
-    """Summarize one segment; an unusable entry is reported with ``error`` (never raises)."""
+def _header_mismatch(header: SegmentHeader, fmt: _GroupFormat) -> str:
+    """Why a tier would not use this segment's header for the group ('' if it would)."""
+    if fmt.digest is not None and header.digest != fmt.digest:
+        return "segment header does not match the format: digest differs"
+    if header.group_id != fmt.group_id:
+        return f"segment header does not match the format: group {header.group_id}"
+    if fmt.row_nbytes is not None and header.row_nbytes != fmt.row_nbytes:
+        return (
+            f"segment header does not match the format: rows of {header.row_nbytes} B, "
+            f"format.json says {fmt.row_nbytes} B"
+        )
+    return ""
+
+
+def _row_spec(base: GroupSpec, fmt: _GroupFormat, trailer: RowTrailer) -> tuple[GroupSpec, str]:
+    """The spec a row's trailer is validated against, and why it cannot be ('' if it can).
+
+    ``format.json`` does not record the unpadded payload size: a trailer's
+    ``payload_nbytes`` is accepted when it pads to the rows' payload region,
+    as the tier's own sizes do. Fields ``format.json`` lacks (digest,
+    ``blocks_per_chunk``) are taken from the header and the trailer.
+    """
+    if round_up(trailer.payload_nbytes) != base.payload_region or trailer.payload_nbytes <= 0:
+        return base, (
+            f"payload_nbytes {trailer.payload_nbytes} does not fit the rows' payload region "
+            f"of {base.payload_region} B"
+        )
+    bpc = fmt.blocks_per_chunk if fmt.blocks_per_chunk is not None else max(trailer.stop, 1)
+    return dataclasses.replace(
+        base, payload_nbytes=trailer.payload_nbytes, blocks_per_chunk=bpc
+    ), ""
+
+
+def _verify_rows(
+    fd: int, base: GroupSpec, fmt: _GroupFormat, allocated: int, reading: _Reading
+) -> dict[str, Any]:
+    """Read and check rows ``0..allocated-1`` of an open segment (see :func:`inspect_root`)."""
+    counts = {"valid_rows": 0, "corrupt_rows": 0, "torn_rows": 0, "blank_rows": 0}
+    problems: list[dict[str, Any]] = []
+
+    def problem(kind: str, row: int, error: str) -> None:
+        counts[f"{kind}_rows"] += 1
+        if len(problems) < MAX_PROBLEMS:
+            problems.append({"row": row, "kind": kind, "error": error})
+
+    region = base.payload_region
+    view = memoryview(bytearray(base.row_nbytes))
+    for i in range(allocated):
+        offset = base.row_offset(i)
+        try:
+            n = os.preadv(fd, [view[region:]], offset + region)
+            if n < TRAILER_NBYTES:
+                problem("torn", i, "the file ends inside the row's trailer (it shrank)")
+                continue
+            if is_blank(view[region:]):
+                counts["blank_rows"] += 1
+                continue
+            try:
+                trailer = decode_trailer(view[region:])
+            except StorageError as exc:
+                problem("corrupt", i, exc.strerror or str(exc))
+                continue
+            spec, why = _row_spec(base, fmt, trailer)
+            why = why or validate_trailer(spec, trailer)
+            if why:
+                problem("corrupt", i, f"trailer mismatch: {why}")
+                continue
+            if os.preadv(fd, [view[:region]], offset) < region:
+                problem("torn", i, "the file ends inside the row's payload (it shrank)")
+            elif payload_matches(spec, view, trailer):
+                counts["valid_rows"] += 1
+            else:
+                problem("corrupt", i, "payload checksum mismatch")
+        except OSError as exc:  # EIO: the row cannot be read
+            problem("corrupt", i, f"cannot read: {exc.strerror or exc}")
+        finally:
+            reading.advance(base.row_nbytes)
+    return {**counts, "problems": problems}
+
+
+def _inspect_segment(
+    path: pathlib.Path, fmt: _GroupFormat, reading: _Reading | None
+) -> dict[str, Any]:
+    """Summarize one segment; an unusable entry is reported with ``error`` (never raises).
+
+    ``reading`` None: trailers only. Else every allocated row is read and
+    checked too (see :func:`inspect_root`).
+    """
+    verify = reading is not None
+    digest, group_id = fmt.digest, fmt.group_id
     info: dict[str, Any] = {"file": path.name, "nbytes": 0}
     try:
         st = path.stat()
         if not stat.S_ISREG(st.st_mode):  # a directory, a FIFO (open would block)...
-            return _invalid_segment(info, "not a regular file")
+            return _invalid_segment(info, "not a regular file", verify)
         info["nbytes"] = st.st_size
         with open(path, "rb") as f:
             try:
                 header = decode_header(f.read(HEADER_NBYTES))
             except (StorageError, ValueError) as exc:
-                return _invalid_segment(info, str(exc))
+                return _invalid_segment(info, str(exc), verify)
             row = header.row_nbytes
             if row <= TRAILER_NBYTES or row % TRAILER_NBYTES:
-                return _invalid_segment(info, f"segment header: row_nbytes {row} invalid")
+                return _invalid_segment(info, f"segment header: row_nbytes {row} invalid", verify)
             allocated = min(header.num_rows, max(0, (st.st_size - HEADER_NBYTES) // row))
+            # the file ends inside a row (truncated, or a growth cut short)
+            truncated = allocated < header.num_rows and HEADER_NBYTES + allocated * row < (
+                st.st_size
+            )
+            if reading is not None:
+                why = _header_mismatch(header, fmt)
+                if why:
+                    return _invalid_segment(info, why, verify)
+                base = GroupSpec(
+                    group_id,
+                    header.digest,
+                    0,  # set per row from its trailer: see _row_spec
+                    row - TRAILER_NBYTES,
+                    row,
+                    fmt.blocks_per_chunk or 0,
+                )
+                checked = _verify_rows(f.fileno(), base, fmt, allocated, reading)
+                if truncated:
+                    checked["torn_rows"] += 1
+                    if len(checked["problems"]) < MAX_PROBLEMS:
+                        cut = st.st_size - HEADER_NBYTES - allocated * row
+                        checked["problems"].append(
+                            {
+                                "row": allocated,
+                                "kind": "torn",
+                                "error": f"the file ends {cut} B into this row of {row} B",
+                            }
+                        )
+                info.update(
+                    header_valid=True,
+                    row_nbytes=row,
+                    rows=header.num_rows,
+                    allocated_rows=allocated,
+                    truncated=truncated,
+                    invalid_rows=checked["corrupt_rows"] + checked["torn_rows"],
+                    **checked,
+                )
+                return info
             valid = invalid = 0
             # rows past the first one the file does not hold in full have no trailer
             for i in range(min(header.num_rows, allocated + 1)):
@@ -70,12 +246,13 @@ def _inspect_segment(path: pathlib.Path, digest: bytes | None, group_id: int) ->
                 valid += ok
                 invalid += not ok
     except OSError as exc:  # a dangling link, no permission, EIO
-        return _invalid_segment(info, f"cannot read: {exc.strerror or exc}")
+        return _invalid_segment(info, f"cannot read: {exc.strerror or exc}", verify)
     info.update(
         header_valid=digest is None or header.digest == digest,
         row_nbytes=row,
         rows=header.num_rows,
         allocated_rows=allocated,
+        truncated=truncated,
         valid_rows=valid,
         invalid_rows=invalid,
     )
@@ -110,18 +287,66 @@ def _read_format(
         return fmt, None
 
 
-def _inspect_group(group_dir: pathlib.Path, digest: bytes | None, group_id: int) -> dict[str, Any]:
-    segs = [
-        _inspect_segment(group_dir / f"{n}{SEGMENT_SUFFIX}", digest, group_id)
-        for n in list_segments(group_dir)
-    ]
-    return {
+VERIFY_COUNTS = ("valid_rows", "corrupt_rows", "torn_rows", "blank_rows")
+"""The row counts of a ``verify`` pass, per segment, group and namespace."""
+
+
+def _group_format(fmt: dict[str, Any] | None, digest: bytes | None, group_id: int) -> _GroupFormat:
+    """The group's row size and ``blocks_per_chunk`` from ``format.json`` (None if absent)."""
+    rows = fmt.get("row_nbytes") if fmt else None
+    row = rows.get(str(group_id)) if isinstance(rows, dict) else None
+    bpc = fmt.get("blocks_per_chunk") if fmt else None
+    return _GroupFormat(
+        group_id,
+        digest,
+        row if isinstance(row, int) and not isinstance(row, bool) else None,
+        bpc if isinstance(bpc, int) and not isinstance(bpc, bool) and bpc > 0 else None,
+    )
+
+
+def _inspect_group(
+    group_dir: pathlib.Path, fmt: _GroupFormat, reading: _Reading | None
+) -> dict[str, Any]:
+    segs = []
+    for n in list_segments(group_dir):
+        done = reading.done if reading is not None else 0
+        segs.append(_inspect_segment(group_dir / f"{n}{SEGMENT_SUFFIX}", fmt, reading))
+        if reading is not None:  # the header, a cut row, a segment not read: the file's size
+            reading.advance(max(0, segs[-1]["nbytes"] - (reading.done - done)))
+    group = {
         "segments": segs,
         "rows": sum(s["rows"] for s in segs),
         "allocated_rows": sum(s.get("allocated_rows", 0) for s in segs),
         "valid_rows": sum(s["valid_rows"] for s in segs),
         "invalid_rows": sum(s["invalid_rows"] for s in segs),
+        "invalid_segments": sum(not s["header_valid"] for s in segs),
+        "truncated_segments": sum(bool(s.get("truncated")) for s in segs),
     }
+    if reading is not None:
+        group.update({c: sum(s[c] for s in segs) for c in VERIFY_COUNTS[1:]})
+    return group
+
+
+def _segment_paths(directory: pathlib.Path) -> list[pathlib.Path]:
+    """The segment files of a namespace folder that a ``verify`` pass reads (never raises)."""
+    paths = []
+    with contextlib.suppress(OSError):
+        for group_dir in sorted(directory.glob("g*")):
+            with contextlib.suppress(OSError):
+                if _GROUP_NAME.fullmatch(group_dir.name) and group_dir.is_dir():
+                    paths += [group_dir / f"{n}{SEGMENT_SUFFIX}" for n in list_segments(group_dir)]
+    return paths
+
+
+def _planned_nbytes(directories: list[pathlib.Path]) -> int:
+    """Bytes of the regular segment files under ``directories`` (the progress total)."""
+    total = 0
+    for directory in directories:
+        for path in _segment_paths(directory):
+            with contextlib.suppress(OSError):
+                st = path.stat()
+                total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
 
 
 def lock_holder(lock: pathlib.Path) -> int | None:
@@ -218,43 +443,87 @@ def _usage(directory: pathlib.Path) -> tuple[float | None, int]:
     return newest, disk
 
 
-def inspect_root(root: str | os.PathLike[str]) -> dict[str, Any]:
+def inspect_root(
+    root: str | os.PathLike[str], *, verify: bool = False, progress: Progress | None = None
+) -> dict[str, Any]:
     """Summarize every namespace directory under ``root`` without modifying anything.
 
     A namespace directory is a folder named ``<namespace>-<16 hex digits>`` (as
     the tier names them) or holding a ``format.json``; other entries are
-    ignored.
+    ignored. Files are opened read-only and no namespace lock is taken (a
+    live engine's flock is only probed, see :func:`lock_holder`), so it can
+    run next to a live engine.
 
-    Valid rows are rows whose trailer decodes and matches the directory's
-    digest and group; payload checksums are not verified (that reads all data).
+    Without ``verify``, valid rows are rows whose trailer decodes and matches
+    the directory's digest and group; payloads are not read.
+
+    With ``verify``, every row of every segment is read and checked as a tier
+    read checks it: a segment header that does not match the format (digest,
+    group, row size) makes the segment invalid, as it does at a tier's open,
+    and each allocated row is one of:
+
+    - ``valid``: its trailer decodes, belongs to the format and group (digest,
+      group, payload size, sub-block range) and the xxh3-64 of its payload
+      region matches the trailer's checksum;
+    - ``corrupt``: its trailer is not blank and does not decode (a flipped or
+      zeroed byte, a foreign file), names another format or group, or its
+      payload checksum does not match (a flipped byte, a torn write inside
+      the file: the format cannot tell these apart), or it cannot be read
+      (EIO);
+    - ``torn``: the file ends inside the row (truncated, or a growth cut
+      short: its trailer, if it was written, is gone), or shrank while it
+      was read;
+    - ``blank``: its trailer is all zeros (never written, freed or punched).
+
+    A file cut at a row boundary looks like a file not yet grown (the tier
+    grows files lazily): the rows past its end are not counted. A row that a
+    live engine rewrites while it is read may be reported as corrupt (its
+    trailer and payload read from different writes); run it again, or with
+    no engine on the namespace, to tell.
 
     Args:
         root: the NVMe root given to the tier.
+        verify: read and check every row's payload (reads all the data).
+        progress: with ``verify``, called as ``progress(bytes_done,
+            bytes_total)`` after each row (bytes of the segment files, the
+            total taken from their sizes before the pass); not called
+            without ``verify``.
 
     Returns:
-        ``{"root": str, "namespaces": [{"directory", "format" (format.json
-        as a dict, or None), "locked_by_pid", "groups": {group_id:
-        {"segments": [...], "rows", "allocated_rows", "valid_rows",
-        "invalid_rows"}}, "last_written" (newest modification of a segment
-        file, Unix seconds, or None), "disk_nbytes" (disk space of the
-        folder's files), "errors": [str]}]}``; ``rows`` is the row count
-        the segment headers announce (the most rows the present files may
-        grow to; the tier adds segment files as it needs them),
-        ``allocated_rows`` the rows the files hold now. Garbage is
+        ``{"root": str, "payloads_verified": bool, "namespaces":
+        [{"directory", "format" (format.json as a dict, or None),
+        "locked_by_pid", "groups": {group_id: {"segments": [...], "rows",
+        "allocated_rows", "valid_rows", "invalid_rows", "invalid_segments",
+        "truncated_segments"}}, "last_written" (newest modification of a
+        segment file, Unix seconds, or None), "disk_nbytes" (disk space of
+        the folder's files, bytes), "errors": [str]}]}``; ``rows`` is the row
+        count the segment headers announce (the most rows the present files
+        may grow to; the tier adds segment files as it needs them),
+        ``allocated_rows`` the rows the files hold in full now, ``truncated``
+        (per segment) whether the file ends inside a row. With ``verify``,
+        each group and segment also has ``corrupt_rows``, ``torn_rows`` and
+        ``blank_rows`` (``invalid_rows`` is corrupt plus torn), each segment
+        ``problems`` (up to :data:`MAX_PROBLEMS` ``{"row", "kind",
+        "error"}``), each namespace ``summary`` (the four row counts and
+        ``invalid_segments`` over its groups) and the result ``clean``: no
+        corrupt or torn row and no invalid segment anywhere. Garbage is
         reported, never raised: an unusable segment entry (a directory, a
         dangling link, a bad header) has ``header_valid`` False and an
         ``error``; a bad ``format.json`` (not an object, a non-hex digest)
         or an entry ``g*`` that is not a group folder is described in
         ``errors``. A ``format.json`` without a usable digest leaves the
-        rows' digests unchecked.
+        rows' digests unchecked (with ``verify``, a row's digest must still
+        match its segment header's).
 
     Raises:
         FileNotFoundError, NotADirectoryError: ``root`` is not a directory.
 
     """
     base = pathlib.Path(root)
+    directories = sorted(p for p in base.iterdir() if is_namespace(p))
+    reading = _Reading(progress, _planned_nbytes(directories)) if verify else None
     namespaces = []
-    for directory in sorted(p for p in base.iterdir() if is_namespace(p)):
+    for directory in directories:
         errors: list[str] = []
         fmt, digest = _read_format(directory, errors)
         groups: dict[int, dict[str, Any]] = {}
@@ -268,21 +537,34 @@ def inspect_root(root: str | os.PathLike[str]) -> dict[str, Any]:
             if m is None or not group_dir.is_dir():
                 errors.append(f"{group_dir.name}: not a group folder (g<n>)")
                 continue
+            g = int(m.group(1))
             try:
-                groups[int(m.group(1))] = _inspect_group(group_dir, digest, int(m.group(1)))
+                groups[g] = _inspect_group(group_dir, _group_format(fmt, digest, g), reading)
             except OSError as exc:
                 errors.append(f"{group_dir.name}: cannot list: {exc}")
         pid = lock_holder(directory / "lock")
         last_written, disk_nbytes = _usage(directory)
-        namespaces.append(
-            {
-                "directory": directory.name,
-                "format": fmt,
-                "locked_by_pid": pid,
-                "last_written": last_written,
-                "disk_nbytes": disk_nbytes,
-                "groups": groups,
-                "errors": errors,
+        ns: dict[str, Any] = {
+            "directory": directory.name,
+            "format": fmt,
+            "locked_by_pid": pid,
+            "last_written": last_written,
+            "disk_nbytes": disk_nbytes,
+            "groups": groups,
+            "errors": errors,
+        }
+        if verify:
+            ns["summary"] = {
+                c: sum(grp[c] for grp in groups.values())
+                for c in (*VERIFY_COUNTS, "invalid_segments")
             }
+        namespaces.append(ns)
+    info: dict[str, Any] = {"root": str(base), "payloads_verified": verify}
+    if verify:
+        info["clean"] = not any(
+            ns["summary"][c]
+            for ns in namespaces
+            for c in ("corrupt_rows", "torn_rows", "invalid_segments")
         )
-    return {"root": str(base), "namespaces": namespaces}
+    info["namespaces"] = namespaces
+    return info

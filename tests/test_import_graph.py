@@ -126,6 +126,7 @@ def test_graph_covers_both_packages(graph: dict[str, set[str]]) -> None:
     assert "kvtier.io" in graph
     assert "kvtier.io._tier" in graph
     assert "kvtier.errors" in graph["kvtier.io._tier"]
+    assert "kvtier.bench.config" in graph["kvtier.bench.preflight"]  # a subpackage's modules
     edges = sum(len(targets) for targets in graph.values())
     print(f"import graph: {len(graph)} modules, {edges} edges")
     assert edges > len(graph)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kvtier.bench as bench
-from kvtier.bench import BenchConfig, _Baselines
+from kvtier.bench import BenchConfig, baselines
+from kvtier.bench.baselines import _Baselines
 from kvtier.io._aio import aio_supported
 
 REQ = 1 << 20
@@ -27,14 +27,14 @@ def test_checksummed_raw_baselines_hash_every_request_and_move_the_same_bytes(
         data = torch.randint(0, 256, (total,), dtype=torch.uint8)
         base.buf.tensor[:total] = data
         hashed: list[tuple[int, int]] = []  # (checksum, nbytes) of every hashed request
-        real = bench.payload_checksum
+        real = baselines.payload_checksum
 
         def counting(view: memoryview) -> int:
             value = real(view)
             hashed.append((value, view.nbytes))
             return value
 
-        monkeypatch.setattr(bench, "payload_checksum", counting)
+        monkeypatch.setattr(baselines, "payload_checksum", counting)
         sizes = sorted([REQ] * 5 + [3 * 4096])
         expected = sorted(
             (real(memoryview(data.numpy())[off : off + n]), n)

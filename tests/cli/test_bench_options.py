@@ -1,11 +1,11 @@
-"""Review of ``kvtier bench`` as an operator drives it: options, layouts, paths, signals.
+"""``kvtier bench`` as an operator drives it: options, layouts, paths, signals.
 
 Bad input must end in a one-line error and a non-zero exit before the long
 work (allocating the data set, the timed phases) starts, with no traceback
 and no temporary folder left behind; a good run must report every figure
 the README lists and verify every byte. A test whose docstring starts with
-"Fixed bug:" was a strict xfail that failed before its fix; the docstring
-describes the bug as it was.
+"Regression:" guards against a bug the bench once had; the docstring says
+what must hold and how it failed.
 
 Failing cases run in-process through click's ``CliRunner`` (fast: no
 ``import torch`` per case); a spy on ``ModelShape.build`` (it still builds)
@@ -123,10 +123,10 @@ def test_bad_option_values_are_usage_errors_before_anything_is_built(
 
 @pytest.mark.parametrize("option", ["--size", "--request-size"])
 def test_a_bad_size_names_its_option(monkeypatch: pytest.MonkeyPatch, option: str) -> None:
-    """Fixed bug: parse_size errors do not say which option was bad."""
+    """Regression: a parse_size error names the option that was bad."""
     res, _ = _bench_in_process(monkeypatch, option, "0")
     _clean_error(res)
-    assert option in res.output  # today: "Invalid value: '0': the size must be positive"
+    assert option in res.output  # not only "Invalid value: '0': the size must be positive"
 
 
 @pytest.mark.parametrize("size", ["4KiB", "4kb", "1.5M", " 2 m ", "3000"])
@@ -144,8 +144,8 @@ def test_size_suffixes_are_binary_units(size: str) -> None:
 def test_an_unwritable_json_path_is_refused_before_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    """Fixed bug: --json is opened only after the whole run; a bad path ends in a
-    traceback."""
+    """Regression: --json is checked before the run; a bad path is a one-line error,
+    not a traceback after the whole run."""
     path = tmp_path if where == "a directory" else tmp_path / "missing" / "out.json"
     res, built = _bench_in_process(monkeypatch, *TINY, "--no-nvme", "--json", str(path))
     _clean_error(res, "--json")
@@ -156,13 +156,13 @@ def test_an_unwritable_json_path_is_refused_before_the_run(
 def test_a_bad_plot_path_is_refused_before_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    """Fixed bug: --plot is checked only for matplotlib; the path is used after the
-    whole run."""
+    """Regression: --plot's path is checked before the run, not only whether
+    matplotlib is there (and not first used after the whole run)."""
     plots = tmp_path / "plots"
     plots.mkdir()
     path = {
         "a missing folder": tmp_path / "missing" / "p.png",
-        "a directory": plots,  # today: exit 0, and a PNG written next to it as plots.png
+        "a directory": plots,  # must not exit 0 with a PNG written next to it as plots.png
         "an unknown format": tmp_path / "p.txt",
     }[where]
     res, built = _bench_in_process(monkeypatch, *TINY, "--no-nvme", "--plot", str(path))
@@ -204,16 +204,16 @@ def test_plot_without_matplotlib_is_refused_before_the_run(tmp_path: Path) -> No
 def test_an_unusable_io_backend_is_refused_before_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: tuple[str, ...], needle: str
 ) -> None:
-    """Fixed bug: the backend is chosen only in the NVMe phases, after the data set is
-    built and the copy phases ran."""
+    """Regression: the backend is checked before the run, not first in the NVMe
+    phases (after the data set is built and the copy phases ran)."""
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("kvikio may load here")
     res, built = _bench_in_process(monkeypatch, *TINY, "--dir", str(tmp_path), *args)
-    _clean_error(res, needle)  # this part holds today
-    _no_bench_dirs(tmp_path)  # and so does this
-    assert built == []  # this does not
+    _clean_error(res, needle)
+    _no_bench_dirs(tmp_path)
+    assert built == []  # refused before the data set is allocated
 
 
 def test_kvikio_is_not_needed_without_nvme(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -275,8 +275,8 @@ def test_malformed_layout_files_are_one_line_errors(
 def test_layout_files_with_bad_values_are_one_line_errors(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str
 ) -> None:
-    """Fixed bug: model_shape() checks only that a layout file parses, not its values;
-    they fail later in block_nbytes()/build()/groups() with a traceback."""
+    """Regression: model_shape() checks a layout file's values, not only that it parses;
+    a bad value is a one-line error, not a traceback in block_nbytes()/build()/groups()."""
     res, built = _bench_in_process(
         monkeypatch, "--layout", _layout_file(tmp_path, text), *TINY, "--no-nvme"
     )
@@ -329,8 +329,8 @@ def test_a_layout_file_runs_every_nvme_phase_and_verifies_it(tmp_path: Path) -> 
 def test_a_data_set_beyond_memory_is_a_one_line_error(
     tmp_path: Path, layout: dict[str, Any], size: str
 ) -> None:
-    """Fixed bug: no check of --size against memory; the allocation error escapes as a
-    traceback."""
+    """Regression: --size is checked against memory; the allocation error does not
+    escape as a traceback."""
     path = tmp_path / "layout.json"
     path.write_text(json.dumps(layout))
     res = _kvtier_limited(
@@ -343,9 +343,9 @@ def test_a_data_set_beyond_memory_is_a_one_line_error(
 
 
 def test_batch_chunks_larger_than_the_data_set_still_runs(tmp_path: Path) -> None:
-    """Fixed bug: the torch-gather baseline sizes its region by --batch-chunks, not by
-    the chunks there are (bench.py _copy_phases), so a large --batch-chunks fails with
-    ENOMEM."""
+    """Regression: the torch-gather baseline sizes its region by the chunks there are,
+    not by --batch-chunks (bench/copy_phases.py _copy_phases), so a large --batch-chunks does not
+    fail with ENOMEM."""
     res = _kvtier_limited("bench", *TINY, "--no-nvme", "--batch-chunks", "100000", cwd=tmp_path)
     assert "Traceback" not in res.stderr, res.stderr[-2000:]
     assert res.returncode == 0
@@ -405,8 +405,9 @@ def test_dir_on_a_read_only_filesystem_is_a_usage_error(tmp_path: Path) -> None:
 
 @needs_mount
 def test_a_read_only_current_folder_is_refused_before_the_run(tmp_path: Path) -> None:
-    """Fixed bug: without --dir the current folder is never checked; mkdtemp fails after
-    the copy phases with a traceback (bench.py _nvme_phases)."""
+    """Regression: without --dir the current folder is checked before the run, so
+    mkdtemp does not fail after the copy phases with a traceback
+    (bench/nvme_phases.py _nvme_phases)."""
     rc, _out, err, _left = _bench_on_tmpfs(tmp_path / "ro", "size=8m,ro", "--size 4M --repeat 1")
     assert rc in (1, 2), err
     assert "Traceback" not in err, err[-2000:]
@@ -415,12 +416,12 @@ def test_a_read_only_current_folder_is_refused_before_the_run(tmp_path: Path) ->
 
 @needs_mount
 def test_a_disk_too_small_for_the_data_set_is_a_one_line_error(tmp_path: Path) -> None:
-    """Fixed bug: no free-space check; ENOSPC escapes from the raw baseline as a
-    traceback after the copy phases."""
+    """Regression: free space is checked before the run; ENOSPC does not escape from
+    the raw baseline as a traceback after the copy phases."""
     rc, _out, err, left = _bench_on_tmpfs(
         tmp_path / "small", "size=8m", "--size 16M --repeat 1 --direct-io off"
     )
-    assert left == []  # the temporary folder is removed (this part holds today)
+    assert left == []  # the temporary folder is removed
     assert rc == 1, err
     assert "Traceback" not in err, err[-2000:]
     assert "space" in err
@@ -461,9 +462,9 @@ def test_one_ctrl_c_in_the_nvme_phases_aborts_and_removes_the_folder(tmp_path: P
 
 
 def test_ctrl_c_pressed_repeatedly_still_removes_the_folder(tmp_path: Path) -> None:
-    """Fixed bug: only SIGTERM cancels through the loop (cli.py _stoppable); a second
-    Ctrl-C raises KeyboardInterrupt inside the cleanup and leaves kvtier-bench-*/ with
-    raw.bin."""
+    """Regression: SIGINT, like SIGTERM, cancels through the loop (cli.py _stoppable);
+    a second Ctrl-C does not raise KeyboardInterrupt inside the cleanup and leave
+    kvtier-bench-*/ with raw.bin."""
     proc = _start_bench_and_wait(tmp_path, "kvtier-bench-*/tier*")
     try:
         for _ in range(400):  # an operator holding Ctrl-C until it stops
@@ -474,7 +475,7 @@ def test_ctrl_c_pressed_repeatedly_still_removes_the_folder(tmp_path: Path) -> N
         proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert list(tmp_path.iterdir()) == []  # today: kvtier-bench-*/ with raw.bin and tier0/
+    assert list(tmp_path.iterdir()) == []  # no kvtier-bench-*/ with raw.bin and tier0/
 
 
 # --- every built-in layout end to end ---------------------------------------------------
@@ -580,28 +581,29 @@ def test_a_load_that_moves_a_wrong_byte_fails_the_bench(
 def test_every_check_compares_with_the_bytes_the_bench_generated(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Fixed bug: the torch_gather load baseline (_torch_gather in _copy_phases) wrote
-    the last batch's slots into every batch's blocks, and the NVMe check then compared
-    with that cache (chunks at one batch position held the same bytes). Every check
-    now compares with the digests of the bytes the bench generated."""
-    import kvtier.bench as bench
+    """Regression: every check compares with the digests of the bytes the bench
+    generated. (The torch_gather load baseline, _torch_gather in _copy_phases, once
+    wrote the last batch's slots into every batch's blocks, and the NVMe check
+    compared with that cache: chunks at one batch position held the same bytes.)"""
     from kvtier._shapes import model_shape
+    from kvtier.bench import BenchConfig, copy_phases, data, nvme_phases, run_bench
 
     seen: list[tuple[int, list[int]]] = []
-    real = bench._digests
+    real = data._digests
 
     def digests(layout: Any) -> list[int]:  # every digest a check takes
         seen.append((layout.group(0).num_blocks, real(layout)))
         return seen[-1][1]
 
-    monkeypatch.setattr(bench, "_digests", digests)
-    cfg = bench.BenchConfig(
+    for module in (copy_phases, nvme_phases):  # the modules whose checks call it
+        monkeypatch.setattr(module, "_digests", digests)
+    cfg = BenchConfig(
         layout="llama-3-8b", size_bytes=1, blocks_per_chunk=1, batch_chunks=2, repeat=1,
         device="cpu", root=str(tmp_path), direct_io="off",
     )  # fmt: skip
     # 1 block per group is too few for 2 batches: ask for 6 blocks of llama (2 MiB each)
     cfg.size_bytes = 6 * model_shape("llama-3-8b").block_nbytes()
-    result = asyncio.run(bench.run_bench(cfg))
+    result = asyncio.run(run_bench(cfg))
     assert result["io"]["verified_repeats"] == 1
     generated = real(model_shape("llama-3-8b").build(6))
     assert len(seen) >= 6  # copy phases (4) and NVMe phases (1 + 2)

@@ -1,8 +1,8 @@
-"""Break-it review of the fixes in 8c862b0 (roundtrip), 07b4f01 and f984ad1 (kvtier bench).
+"""``kvtier roundtrip`` and ``kvtier bench``: output paths, preflight checks, byte checks.
 
-A test whose docstring starts with "Fixed bug:" was a strict xfail that failed
-before its fix (the docstring describes the bug as it was); the other tests pin
-behaviour checked and found right.
+A test whose docstring starts with "Regression:" guards against a bug these
+commands once had (the docstring says what must hold and how it failed); the
+other tests pin behaviour that holds.
 Faults come only through real seams: a RowIO wrapper (``NVMeConfig.row_io_wrapper``,
 injected by handing the bench an ``NVMeConfig`` that carries one), the engine's
 ``load``, a file system (a private tmpfs), the kernel's AIO limit. The byte
@@ -62,10 +62,9 @@ def _written_or_refused_up_front(res: Result, built: list[int], path: Path) -> N
 def test_a_plot_format_that_cannot_be_written_here_is_refused_before_the_run(
     tmp_path: Path,
 ) -> None:
-    """Fixed bug: cli.py checks --plot's extension against FigureCanvasBase's list,
-    which holds pgf; saving pgf needs a LaTeX install, so the run is lost with a
-    RuntimeError traceback at the end (plot() is called outside the try in cli.py
-    bench)."""
+    """Regression: a --plot format that cannot be written here (pgf without a LaTeX
+    install, though FigureCanvasBase lists it) is refused before the run, or written;
+    the run is not lost to a RuntimeError traceback at the end."""
     if any(shutil.which(tex) for tex in ("xelatex", "pdflatex", "lualatex")):
         pytest.skip("a LaTeX install can write pgf")
     out = tmp_path / "bench.pgf"
@@ -77,9 +76,9 @@ def test_a_plot_format_that_cannot_be_written_here_is_refused_before_the_run(
 def test_a_json_path_that_cannot_be_opened_is_refused_before_the_run(
     tmp_path: Path, kind: str
 ) -> None:
-    """Fixed bug: cli.py _output_path checks only the folder of the path given; a
-    dangling symlink (or a name over NAME_MAX) passes, and to_json's open() fails after
-    the run with a traceback (to_json is outside the try in cli.py bench)."""
+    """Regression: cli.py _output_path checks the path itself, not only its folder: a
+    dangling symlink (or a name over NAME_MAX) is refused before the run, or written,
+    instead of to_json's open() failing after the run with a traceback."""
     if kind == "dangling-symlink":
         out = tmp_path / "bench.json"
         out.symlink_to(tmp_path / "missing-folder" / "bench.json")
@@ -108,8 +107,8 @@ def test_relative_json_and_plot_paths_in_the_cwd_overwrite_existing_files(
 
 @pytest.mark.parametrize("name", ["my-model [/v2]", "my-model [bold]x"])
 def test_a_layout_name_is_printed_verbatim(tmp_path: Path, name: str) -> None:
-    """Fixed bug: bench.py format_table puts the layout's name into a rich title
-    unescaped: '[/v2]' raises MarkupError after the whole run ('[bold]' vanishes)."""
+    """Regression: bench/report.py format_table escapes the layout's name in its rich title:
+    '[/v2]' raises no MarkupError after the whole run, and '[bold]' does not vanish."""
     spec = {"name": name, "layers": [{"kind": "full", "page_shape": [2, 16, 1, 64]}]}
     path = tmp_path / "layout.json"
     path.write_text(json.dumps(spec))
@@ -119,8 +118,8 @@ def test_a_layout_name_is_printed_verbatim(tmp_path: Path, name: str) -> None:
 
 
 def test_a_quantized_dtype_in_a_layout_file_is_a_one_line_error(tmp_path: Path) -> None:
-    """Fixed bug: _shapes.py _shape_of_json accepts any torch.dtype; a quantized one
-    (qint8, quint8, qint32, quint4x2) dies in ModelShape.build with a traceback."""
+    """Regression: _shapes.py _shape_of_json refuses a quantized torch.dtype (qint8,
+    quint8, qint32, quint4x2) with a one-line error, not a traceback in ModelShape.build."""
     spec = {"dtype": "qint8", "layers": [{"kind": "full", "page_shape": [2, 16, 1, 64]}]}
     path = tmp_path / "layout.json"
     path.write_text(json.dumps(spec))
@@ -158,10 +157,10 @@ def test_extreme_but_valid_layout_files_run_and_are_checked(
 
 @needs_mount
 def test_a_folder_with_little_free_space_but_enough_is_not_refused(tmp_path: Path) -> None:
-    """Fixed bug: bench.py preflight counts 256 MiB per group (need = 4 x rows + groups
-    x 256 MiB = 1.5 GiB for --size 1M); the tier's first file per group is min(128 MiB,
-    capacity / (4 x groups)) ~ 64 MiB, the run's peak is ~0.76 GiB, so a 1 GiB folder is
-    refused."""
+    """Regression: bench/preflight.py preflight does not count 256 MiB per group (need = 4 x rows
+    + groups x 256 MiB = 1.5 GiB for --size 1M); the tier's first file per group is
+    min(128 MiB, capacity / (4 x groups)) ~ 64 MiB, the run's peak is ~0.76 GiB, so a
+    1 GiB folder is enough and is not refused."""
     rc, out, err, left = _bench_on_tmpfs(tmp_path / "small", "size=1g", "--size 1M --repeat 1")
     assert left == []
     assert rc == 0, err[-800:]
@@ -181,10 +180,10 @@ def _aio_available() -> bool:
 
 @pytest.mark.skipif(not _aio_available(), reason="needs Linux AIO")
 def test_the_aio_contexts_a_run_holds_are_checked_before_the_run(tmp_path: Path) -> None:
-    """Fixed bug: bench.py preflight opens ONE AIO context of 4 x io_threads events; the
-    run holds two at once (the baselines' and the tier's), so where only one fits in
-    fs.aio-max-nr the run fails after the copy phases and raw baselines (io_setup EAGAIN
-    at 'kvtier CPU -> NVMe')."""
+    """Regression: bench/preflight.py preflight checks both AIO contexts of 4 x io_threads events
+    that the run holds at once (the baselines' and the tier's), not one; where only one
+    fits in fs.aio-max-nr the run must not fail after the copy phases and raw baselines
+    (io_setup EAGAIN at 'kvtier CPU -> NVMe')."""
     max_nr = int(Path("/proc/sys/fs/aio-max-nr").read_text())
     in_use = int(Path("/proc/sys/fs/aio-nr").read_text())
     depth = (max_nr - in_use) // 2 + 1024  # one context fits, two do not
@@ -284,9 +283,9 @@ def test_rows_written_corrupt_by_the_cpu_to_nvme_leg_fail_the_bench(
 def test_rows_written_corrupt_by_write_through_fail_the_bench(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Fixed bug: bench.py _nvme_phases never reads back the rows nvme_write_e2e wrote
-    (the e2e root is removed unread): a write-through path writing wrong bytes is timed
-    and reported as a good figure."""
+    """Regression: bench/nvme_phases.py _nvme_phases reads back the rows nvme_write_e2e wrote
+    before the e2e root is removed: a write-through path writing wrong bytes fails the
+    run instead of being timed and reported as a good figure."""
     detected, hits = _bench_with_corrupt_writes(tmp_path, monkeypatch, f"-e2e{os.sep}")
     assert hits  # the fault was injected
     assert detected
@@ -306,9 +305,9 @@ def test_rows_written_corrupt_on_the_full_tier_fail_the_bench(
 def test_a_pipelined_load_that_writes_nothing_fails_the_bench(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Fixed bug: bench.py _copy_phases checks 'pipelined store -> load' on a cache the
-    load's own data already fill (no scribble before the load), so a pipelined load that
-    writes nothing passes."""
+    """Regression: bench/copy_phases.py _copy_phases scribbles over the cache before it checks
+    'pipelined store -> load', so a pipelined load that writes nothing fails the run
+    (it once passed on a cache the load's own data already filled)."""
     import kvtier
     from kvtier.bench import BenchConfig, run_bench
 
@@ -373,7 +372,7 @@ def test_roundtrip_root_reused_with_other_sizes_and_after_a_corrupt_row(
     assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 4
 
 
-# --- from an operator's trial (87db6e9): what a refusal advises ---------------------------
+# --- what a refusal advises -------------------------------------------------------------
 
 
 def test_a_missing_layout_file_is_named_as_such(tmp_path: Path) -> None:

@@ -391,7 +391,7 @@ def test_bench_stopped_by_sigterm_removes_its_directory(tmp_path: Path, moment: 
 
 
 def test_the_table_caption_names_a_size_below_one_mib_in_kib() -> None:
-    from kvtier.bench import _size
+    from kvtier.bench.report import _size
 
     assert _size(1024) == "1 KiB"  # was "0 MiB" in the caption of `--size 1K`
     assert _size(1536) == "1.5 KiB"

@@ -204,10 +204,9 @@ async def test_stores_that_copy_nothing_yield_so_nvme_writes_can_free_the_slots(
 ) -> None:
     """A scheduler retrying rejected stores in a loop must not starve the writes.
 
-    Found by a fresh user's trial: a store whose keys were all rejected (every
-    slot pinned by write-through) returned without yielding, so a retry loop
-    never let the NVMe writes that free the slots run (76,000 stores in 2 s,
-    no row written).
+    A store whose keys are all rejected (every slot pinned by write-through)
+    still yields, so that a retry loop lets the NVMe writes that free the slots
+    run (without the yield: 76,000 stores in 2 s, no row written).
     """
     layout, _, slot = one_group()
     nvme = kvtier.NVMeConfig(root=tmp_path, capacity_bytes=1 << 24, namespace="yield")
@@ -230,8 +229,8 @@ async def test_a_held_nvme_key_promoted_stays_pinned_in_its_slot_until_release(
     tmp_path: Path, bring_in: str
 ) -> None:
     """A scheduler holds a request's keys, prefetches the ones on NVMe ahead, and loads a
-    step later: stores in between must not push them back to NVMe. Before session 19 the
-    hold pinned only the rows, so the promoted copies were evicted again."""
+    step later: stores in between must not push them back to NVMe. The hold pins the
+    promoted slots, not only the rows, so the promoted copies are not evicted again."""
     layout, t, slot = one_group()
     chain = chunk_chain("a", 3, 0)
     config = kvtier.EngineConfig(4 * slot, 1, nvme=nvme_rows(tmp_path, slot))

@@ -1,10 +1,10 @@
-"""Break-it review of session 19: a garbage-collected Hold is released, and ``rows_pinned``.
+"""A garbage-collected Hold is released, and ``rows_pinned``.
 
 Only real seams: the public API, ``NVMeConfig(row_io_wrapper=...)`` RowIO
 wrappers over the real backend, real threads, the real cyclic GC, real
-``logging`` handlers, real child processes. The review found four bugs, each
-fixed and now a test whose docstring starts "Fixed bug"; every other test is a
-guarantee that held up.
+``logging`` handlers, real child processes. A test whose docstring starts
+"Regression" guards against a bug the Hold once had; every other test is a
+guarantee.
 
 The child processes run this module:
 ``python -m tests.engine.test_hold_garbage_collected child MODE``.
@@ -403,10 +403,10 @@ async def test_a_dropped_hold_is_released_with_logging_disabled(
 
 
 async def test_a_raising_log_handler_does_not_keep_a_dropped_hold_pinned() -> None:
-    """Fixed bug: the warning was logged before the release was scheduled, in one
-    suppress block: a log handler that raised skipped the release, and the hold's
-    slots stayed pinned. Now nothing is logged in ``__del__``; the release runs
-    first, on the loop, and a raising handler changes nothing.
+    """Regression: a log handler that raises does not skip the release (as it did when
+    the warning was logged before the release was scheduled, in one suppress block,
+    and the hold's slots stayed pinned). Nothing is logged in ``__del__``; the release
+    runs first, on the loop, and a raising handler changes nothing.
     """
 
     class Broken(logging.Handler):
@@ -436,13 +436,13 @@ async def test_a_raising_log_handler_does_not_keep_a_dropped_hold_pinned() -> No
 async def test_a_hold_dropped_on_another_thread_while_aclose_runs_is_released_once(
     tmp_path: Path,
 ) -> None:
-    """Fixed bug: released twice when aclose() ran while its ``__del__`` ran on another thread.
+    """Regression: released once, not twice, when aclose() runs while ``__del__`` runs.
 
     CPython clears a dying object's weak references only after ``__del__``
-    returned, so ``aclose`` found the dying hold in the engine's WeakSet and
-    released it, and the release that ``__del__`` then scheduled released the
-    same pins again (``SlotStateError``, or the NVMe writer's pin of the slot
-    taken). Both ways now go through the hold's one ``_Pins``, released once.
+    returns, so ``aclose`` can find the dying hold in the engine's WeakSet and
+    release it, and the release that ``__del__`` then schedules must not release
+    the same pins again (``SlotStateError``, or the NVMe writer's pin of the slot
+    taken). Both ways go through the hold's one ``_Pins``, released once.
     The window is held open by a wrapper around ``engine._hold_dropped`` (what
     ``Hold.__del__`` calls) that waits on the dropping thread.
     """
@@ -494,8 +494,8 @@ async def test_a_hold_dropped_on_another_thread_while_aclose_runs_is_released_on
 
 
 async def test_a_copy_of_a_hold_does_not_release_the_original_pins() -> None:
-    """Fixed bug: ``copy.copy(hold)`` made a second Hold over the same pins, whose
-    collection released the original's. A Hold now refuses to be copied or pickled.
+    """Regression: ``copy.copy(hold)`` must not make a second Hold over the same pins,
+    whose collection would release the original's. A Hold refuses to be copied or pickled.
     """
     layout, _, slot = one_group()
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(2 * slot, 1)) as engine:
@@ -673,9 +673,9 @@ def test_exit_holding_and_holds_dropped_after_their_loop_closed_print_no_error(
 
 
 def test_a_hold_collected_after_module_teardown_prints_no_error(tmp_path: Path) -> None:
-    """Fixed bug: ``__del__`` used ``contextlib.suppress`` (a module global), which is
-    None once shutdown cleared the module: "Exception ignored in Hold.__del__". It
-    now looks nothing up in module globals.
+    """Regression: ``__del__`` looks nothing up in module globals, which are None once
+    shutdown clears the module (``contextlib.suppress`` there once printed "Exception
+    ignored in Hold.__del__").
     """
     late = _run_children(tmp_path, ["late_module"])["late_module"]
     assert late.returncode == 0, late.stderr[-3000:]

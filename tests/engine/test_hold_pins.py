@@ -1,10 +1,9 @@
-"""Break-it review of three changes: tail-first recency, WrongThreadError, engine.hold().
+"""Tail-first recency, WrongThreadError, engine.hold().
 
 Only real seams: the public API, ``NVMeConfig(row_io_wrapper=...)`` RowIO
 wrappers over the real backend, real threads, a real child process killed
-with SIGKILL. A test headed "Fixed bug" was a strict xfail that failed on the
-code before its fix (four, all fixed in session 18); every other test is a
-guarantee that held up.
+with SIGKILL. A test headed "Regression" guards against a bug the engine once
+had (four of them); every other test is a guarantee.
 
 The child process of the SIGKILL test runs this module:
 ``python -m tests.engine.test_hold_pins child ROOT``.
@@ -51,9 +50,9 @@ BLOCK = 4096  # payload of one block; a slot (and a row) is 8 KiB with its trail
 
 
 async def test_a_chain_extended_from_a_resident_head_loses_its_tail_first() -> None:
-    """Fixed bug (session 18, a strict xfail before): a store whose head is already in a CPU slot
-    touches it at the call but commits the new tail keys later, so under lru the head is the
-    call's OLDEST key.
+    """Regression: a store whose head is already in a CPU slot leaves the head the call's
+    newest key under lru, though it touches the head at the call and commits the new tail
+    keys later (the head was once the call's OLDEST key).
 
     The common case: a request's prefix is cached, the store passes the whole chain."""
     layout, _, slot = one_group()
@@ -86,9 +85,9 @@ async def test_a_chain_extended_from_a_resident_head_under_arc_keeps_its_head() 
 async def test_nvme_rows_of_a_chain_extended_from_a_stored_head_lose_the_tail_first(
     tmp_path: Path,
 ) -> None:
-    """Fixed bug (session 18, a strict xfail before): a store that skips a key already on NVMe
-    never marks its row, so the new tail rows of the call are newer than its head's row and NVMe
-    evicts the head first."""
+    """Regression: a store that skips a key already on NVMe marks its row, so the new tail
+    rows of the call are not newer than its head's row and NVMe evicts the tail first, not
+    the head."""
     layout, _, slot = one_group()
     chain = chunk_chain("a", 4, 0)
     # arc keeps the CPU order right (see the test above): only the rows are under test
@@ -176,9 +175,9 @@ async def test_recency_with_two_groups_partial_chunks_and_repeated_block_ids(
 
 
 def test_a_call_spanning_two_write_batches_keeps_its_head_newest_on_nvme(tmp_path: Path) -> None:
-    """Fixed bug (session 18, a strict xfail before): a call's rows that span two write batches are
-    published batch by batch as each write ends, so the head's batch finishing first leaves the
-    head the OLDEST row.
+    """Regression: a call's rows that span two write batches leave the head the newest row,
+    even when the head's batch finishes first (published batch by batch as each write ended,
+    the head was once the OLDEST row).
 
     A write batch holds 64 MiB: 8 rows of 8 MiB. A call of 9 chunks needs two batches.
 
@@ -241,9 +240,9 @@ async def test_a_load_of_held_keys_still_marks_them_head_first(tmp_path: Path) -
 
 
 def test_aclose_awaited_on_another_loop_of_the_engine_thread_raises(tmp_path: Path) -> None:
-    """Fixed bug (session 18, a strict xfail before): aclose() checks the thread but not the event
-    loop: awaited on a second loop of the engine's thread with write-through in flight it hangs,
-    closes the engine and loses the row."""
+    """Regression: aclose() checks the event loop, not only the thread: awaited on a second
+    loop of the engine's thread with write-through in flight it raises, instead of hanging,
+    closing the engine and losing the row."""
     layout, _, slot = one_group()
     config = kvtier.EngineConfig(8 * slot, 1, nvme=nvme_rows(tmp_path, slot, None))
     a = chunk_chain("a", 1, 0)
@@ -571,7 +570,7 @@ async def test_hold_with_concurrent_loads_prefetches_and_cancellations_returns_t
             assert out.loaded == (a[i].key,), out.failed
             assert torch.equal(t[40 + i], t[i])
         # held keys promoted from NVMe stay pinned in their slots until the release
-        # (session 19; before, an NVMe hold pinned only the rows)
+        # (an NVMe hold pins the slots too, not only the rows)
         assert e.stats().slots_pinned == 4
         held.release()
         assert e.stats().slots_pinned == 0

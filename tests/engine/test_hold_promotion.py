@@ -1,7 +1,7 @@
-"""Break-it review of session 19: a hold pins the slot of a held NVMe-only key once promoted.
+"""A hold pins the slot of a held NVMe-only key once promoted.
 
-``TransferEngine.hold`` pins the row of a key only on NVMe; since session 19 a
-load or prefetch that promotes it into a CPU slot has the hold pin that slot
+``TransferEngine.hold`` pins the row of a key only on NVMe; a load or
+prefetch that promotes it into a CPU slot has the hold pin that slot
 too (``NVMeWriter.promote`` -> ``TransferEngine._hold_promoted``), until the
 hold ends. These tests end holds at every point of a promotion (released,
 dropped and collected, closed) and make promotions fail, wait, be cancelled
@@ -9,9 +9,8 @@ and find no room, and check that every pin comes back exactly once.
 
 Only real seams: the public API, ``NVMeConfig(row_io_wrapper=...)`` RowIO
 wrappers over the real backend, real threads and the real garbage collector.
-The pin accounting held up everywhere; the one defect found was a cost: ending
-a hold of an NVMe-only key was O(holds of that key), fixed (the "Fixed bug"
-test at the end checks the accounting, not the time).
+Ending a hold of an NVMe-only key must not cost O(holds of that key) (the
+"Regression" test at the end checks the accounting, not the time).
 """
 
 from __future__ import annotations
@@ -662,10 +661,10 @@ async def test_holds_promotions_drops_and_cancellations_at_random_return_every_p
 async def test_many_holds_of_one_nvme_key_end_in_any_order_and_a_promotion_pins_the_rest(
     tmp_path: Path,
 ) -> None:
-    """Fixed bug (cost, not correctness): each release removed its hold from the key's
-    list of holders with ``list.remove``, so ending N holds of one shared prefix key cost
-    O(N^2) on the loop (30,000 in random order: about 1.8 s, against 0.035 s for holds of
-    a CPU key; measured by the review, not timed here). The holders are now a dict.
+    """Regression (cost, not correctness): the holders of a key are a dict, so ending N
+    holds of one shared prefix key does not cost O(N^2) on the loop, as ``list.remove``
+    on a list of holders did (30,000 in random order: about 1.8 s, against 0.035 s for
+    holds of a CPU key; measured once, not timed here).
     Checked here: holds ended in any order, some listing the key twice, leave exactly the
     open ones' pins for a promotion."""
     layout, _, slot = one_group()

@@ -1,4 +1,4 @@
-"""Break-it review (session 17): LOAD call order and bytes over GPU memory shared by groups.
+"""LOAD call order and bytes over GPU memory shared by groups.
 
 The CPU path with ``EngineConfig(copy_threads=2)``: a load job whose chunks may
 write the same bytes must run as one unit in plan order (``_pages_written_twice``
@@ -20,32 +20,32 @@ a load writes them back, call after call, chunk after chunk.
 To make a missed overlap visible on every run (not only when the two copy
 threads happen to race), the "reversed" runs hand a split job's units to the
 threads last unit first (``_units`` reversed): an overlap that the analysis
-missed then leaves the EARLIER call's bytes. Checked to fail with
-``_pages_written_twice`` forced to ``False`` while this file was written.
+missed then leaves the EARLIER call's bytes. These runs fail with
+``_pages_written_twice`` forced to ``False``.
 
-Held, with one caveat (since fixed): full chunks in consecutive slots were
-scattered by ONE NumPy assignment (``_load_run``), so two calls of a job into
-the same block kept call order only because NumPy assigns repeated fancy
-indices in index order, which its documentation does not promise (NumPy 2.4
-does). A load job that writes a page twice is now copied chunk by chunk
+Full chunks in consecutive slots must not be scattered by ONE NumPy assignment
+(``_load_run``) when two calls of a job load into the same block: call order
+would then hold only because NumPy assigns repeated fancy indices in index
+order, which its documentation does not promise (NumPy 2.4 does). A load job
+that writes a page twice is copied chunk by chunk
 (``test_consecutive_slots_loaded_into_one_block_by_several_calls``).
 
 Registration refuses none of the cross-group sharing tried here; it refuses
 (``LayoutError``) layers of ONE group that share a byte, which the random
 builder then redraws.
 
-Found (strict xfails while the review ran; fixed in the same session, now plain tests):
+Regressions guarded here:
 
 * A load call that has to wait (its key's store is still in flight, or the
-  key is only on NVMe and must be promoted) was submitted only after the wait,
-  so a later call of the same iteration that writes the same GPU bytes was
-  copied first and the EARLIER call's bytes were left (``TransferEngine.load``:
-  the ``_must_wait`` branch goes through the ``_load`` task while later calls
-  took the fast path to ``_submit_load``). Fix: such a call takes a turn
-  (``TransferEngine._take_turn``) and later loads of its GPU pages submit only
-  after it.
+  key is only on NVMe and must be promoted) must not be submitted only after
+  the wait, where a later call of the same iteration that writes the same GPU
+  bytes is copied first and the EARLIER call's bytes are left
+  (``TransferEngine.load``: the ``_must_wait`` branch goes through the
+  ``_load`` task while later calls take the fast path to ``_submit_load``).
+  Such a call takes a turn (``TransferEngine._take_turn``) and later loads of
+  its GPU pages submit only after it.
 
-Also reported, and not a bug: a store and a load of the same blocks issued
+Not a bug: a store and a load of the same blocks issued
 together are not ordered at all (separate executors, separate threads), so
 the store can capture a mix of the pages before and after the load. The
 README says so: a caller awaits the load before it stores those blocks (as
@@ -735,13 +735,13 @@ def test_background_engine_back_to_back_loads_later_call_wins() -> None:
             assert np.array_equal(m.mem, expect), f"round {rnd}: {diff(m.mem, expect)}"
 
 
-# ---------------------------------------------------------------------- found
+# ---------------------------------------------------------------- regressions
 
 
-# Was a strict xfail: a load call that waits for its key's store in flight was
-# submitted after the later calls of its iteration (TransferEngine.load: _must_wait ->
-# _load task; the others took the fast path to _submit_load), so the EARLIER call's
-# bytes were left.
+# Regression: a load call that waits for its key's store in flight is not submitted
+# after the later calls of its iteration (TransferEngine.load: _must_wait -> _load
+# task; the others take the fast path to _submit_load), which left the EARLIER call's
+# bytes.
 @pytest.mark.parametrize("shared", [False, True], ids=["one-group", "aliased-groups"])
 async def test_earlier_load_waiting_for_its_store_still_loses_to_the_later_call(
     shared: bool,
@@ -773,9 +773,9 @@ async def test_earlier_load_waiting_for_its_store_still_loses_to_the_later_call(
     assert np.array_equal(m.mem, expect), diff(m.mem, expect)
 
 
-# Was a strict xfail: a load call whose key must be promoted from NVMe was submitted
-# after the promotion, behind a later call of the same iteration into the same GPU
-# bytes (TransferEngine.load: _must_wait -> _load task): the EARLIER call's bytes were left.
+# Regression: a load call whose key must be promoted from NVMe is not submitted after
+# the promotion, behind a later call of the same iteration into the same GPU bytes
+# (TransferEngine.load: _must_wait -> _load task), which left the EARLIER call's bytes.
 async def test_earlier_load_promoted_from_nvme_still_loses_to_the_later_call(
     tmp_path: Path,
 ) -> None:
@@ -783,7 +783,7 @@ async def test_earlier_load_promoted_from_nvme_still_loses_to_the_later_call(
     layout = m.layout()
     ref = Reference(m)
     x, y = C(key("nv-x", 0), [1]), C(key("nv-y", 1), [2])
-    nvme = kvtier.NVMeConfig(root=str(tmp_path), capacity_bytes=64 << 20, namespace="alias17")
+    nvme = kvtier.NVMeConfig(root=str(tmp_path), capacity_bytes=64 << 20, namespace="promoted")
     async with kvtier.TransferEngine(layout, config(1, nvme=nvme)) as engine:
         assert len((await engine.store([x], durable=True)).stored) == 1
     ref.store(x)

@@ -1,4 +1,4 @@
-"""Break-it review of the load turns (``TransferEngine._take_turn`` / ``LoadOrder.end``).
+"""The load turns (``TransferEngine._take_turn`` / ``LoadOrder.end``).
 
 Load calls into the same GPU blocks must land in call order (the later call's
 bytes are left), also when the earlier call first waits for a store in flight
@@ -128,7 +128,7 @@ class Rig:
             cfg = kvtier.NVMeConfig(
                 root=tmp_path,
                 capacity_bytes=1 << 24,
-                namespace="turns17",
+                namespace="load-turns",
                 row_io_wrapper=self.gate.wrap,
             )
         self.config = kvtier.EngineConfig(
@@ -188,15 +188,16 @@ async def quiet(engine: kvtier.TransferEngine) -> None:
     assert engine._load_order.turns == []
 
 
-# ---------------------------------------------------------------- findings
-# The first three were strict xfails on 0a2a035 and were fixed in the same session
-# (each reason is kept as a comment); the fourth is the accepted other side of a
-# trade-off and stays a strict xfail.
+# ---------------------------------------------------------------- regressions
+# The first three guard against bugs the turns once had (each comment says how it
+# failed); the strict xfail after the control is the accepted other side of a
+# trade-off.
 
 
-# Was: a load cancelled while it waits for an EARLIER call's turn kept waiting for that
-# call's NVMe promotion (TransferEngine._load awaited asyncio.wait(ahead) without looking
-# at ctx.cancelled); load's docstring bounds the delay by the call's own copy and promotion.
+# Regression: a load cancelled while it waits for an EARLIER call's turn does not keep
+# waiting for that call's NVMe promotion (TransferEngine._load must look at ctx.cancelled,
+# not only await asyncio.wait(ahead)); load's docstring bounds the delay by the call's own
+# copy and promotion.
 async def test_a_load_cancelled_while_it_waits_its_turn_returns_without_the_earlier_promotion(
     tmp_path: Path,
 ) -> None:
@@ -220,9 +221,9 @@ async def test_a_load_cancelled_while_it_waits_its_turn_returns_without_the_earl
         await rig.close(engine)
 
 
-# Was: a load job that fails was re-copied call by call (_isolate) AFTER later jobs
-# already queued on the executor: the earlier call's bytes overwrote those of a later
-# call into the same block (now the executor holds them: hold_on_error, release()).
+# Regression: a load job that fails is re-copied call by call (_isolate) before later
+# jobs queued on the executor run (the executor holds them: hold_on_error, release()),
+# so the earlier call's bytes do not overwrite those of a later call into the same block.
 @pytest.mark.parametrize("threads", [1, 2])
 async def test_a_failed_job_retried_call_by_call_does_not_overwrite_a_later_call(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int
@@ -250,9 +251,10 @@ async def test_a_failed_job_retried_call_by_call_does_not_overwrite_a_later_call
         await rig.close(engine)
 
 
-# Was: groups that share memory counted as one page set (LoadTurn.classes): a load into
-# ANOTHER block waited for an earlier call's NVMe promotion (README: calls into other
-# blocks do not wait). Now groups that meet only at equal block ids compare block by block.
+# Regression: groups that share memory do not count as one page set (LoadTurn.classes),
+# so a load into ANOTHER block does not wait for an earlier call's NVMe promotion (README:
+# calls into other blocks do not wait). Groups that meet only at equal block ids compare
+# block by block.
 @pytest.mark.parametrize("g_later", [0, 1])
 async def test_shared_groups_a_later_load_into_another_block_does_not_wait(
     tmp_path: Path, g_later: int
@@ -331,7 +333,7 @@ async def test_a_later_load_waiting_its_turn_does_not_starve_the_earlier_promoti
     assert not ra.failed, ra.failed
 
 
-# ---------------------------------------------------------------- what held: call order
+# --------------------------------------------------------------- what holds: call order
 
 
 Writes = dict[Any, tuple[kvtier.OffloadKey, torch.Tensor]]  # GPU block -> (key, bytes)

@@ -1,9 +1,9 @@
-"""Break-it review of c2fe466: the shared Prometheus exporter, ARC's prefetch hint, and
-EngineStats from one pass over the pool.
+"""The shared Prometheus exporter, ARC's prefetch hint, and EngineStats from one pass
+over the pool.
 
 Faults come only through real seams (``NVMeConfig.row_io_wrapper`` over the real posix
-backend). A test whose docstring starts with "Fixed bug:" was a strict xfail that
-failed before its fix; the docstring describes the bug as it was.
+backend). A test whose docstring starts with "Regression:" guards against a bug these
+once had; the docstring says what must hold and how it failed.
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ def _check_hinted(engine: kvtier.TransferEngine) -> None:
 
 
 async def test_unregistering_a_stale_export_leaves_the_engine_that_took_its_labels() -> None:
+    """Regression: unregister_prometheus of a stale export (its engine closed, its labels
+    taken again by a new engine) does not pop the ident and stop the NEW engine's export."""
     layout = _layout()
     registry = CollectorRegistry()
     async with kvtier.TransferEngine(layout, _config(2)) as first:
@@ -157,6 +159,9 @@ async def test_label_values_with_quotes_newlines_and_unicode_round_trip() -> Non
 
 
 async def test_namespaces_that_escape_alike_never_give_clashing_families() -> None:
+    """Regression: the namespace is validated. prometheus_client escapes 'my-ns' to
+    'my_ns', so namespaces 'my-ns' and 'my_ns' in one registry must not be two collectors
+    giving the same families (two # TYPE lines, 'Clashing name' in the OpenMetrics parser)."""
     registry = CollectorRegistry()
     async with (
         kvtier.TransferEngine(_layout(), _config(2)) as e0,
@@ -249,7 +254,7 @@ async def test_counters_of_a_reopened_engine_with_the_same_labels_restart_at_zer
 
 
 async def test_default_global_registry() -> None:
-    labels = {"review": "fixes9"}
+    labels = {"suite": "default-registry"}
     async with kvtier.TransferEngine(_layout(), _config(2)) as engine:
         export = register_prometheus(engine, labels=labels)
         try:
@@ -290,6 +295,9 @@ async def test_a_dropped_registry_is_forgotten_and_keeps_no_engine_alive() -> No
 
 
 async def test_dead_engines_do_not_accumulate_in_the_exporter() -> None:
+    """Regression (a minor leak): an export whose engine was closed and garbage collected
+    without unregister_prometheus does not stay in _Exporter.engines forever (a dead
+    weakref per label set, which collect() walks)."""
     layout = _layout()
     registry = CollectorRegistry()
     for i in range(40):  # e.g. one engine per job or request id, never unregistered
@@ -303,14 +311,6 @@ async def test_dead_engines_do_not_accumulate_in_the_exporter() -> None:
 
 
 def test_register_unregister_and_scrape_race_from_many_threads() -> None:
-    """Fixed bug: bug (minor leak): an export whose engine was closed and garbage
-    collected without unregister_prometheus stays in _Exporter.engines forever (a dead
-    weakref per label set; collect() walks them all)."""
-    """Fixed bug: the namespace is not validated; prometheus_client escapes 'my-ns' to
-    'my_ns', so namespaces 'my-ns' and 'my_ns' in one registry are two collectors giving
-    the same families (two # TYPE lines, 'Clashing name' in the OpenMetrics parser)."""
-    """Fixed bug: unregister_prometheus of a stale export (its engine closed, its labels
-    taken again by a new engine) pops the ident and stops the NEW engine's export."""
     layout = _layout()
     registry = CollectorRegistry()
     engines = [kvtier.TransferEngine(layout, _config(2)) for _ in range(4)]  # never started
@@ -422,9 +422,9 @@ def _arc_history(policy: ARCPolicy) -> None:
 
 
 def test_arc_prefetch_then_load_adapts_p_like_a_cold_load() -> None:
-    """Fixed bug: first_use applies the ghost hit after insert_hint took the key out of
-    its ghost list, so |B1| (|B2|) is one short and p moves more than for the same key
-    loaded cold (ARCPolicy.insert computes it with the key still in the ghost list)."""
+    """Regression: first_use applies the ghost hit with the key still counted in its
+    ghost list, as ARCPolicy.insert does for the same key loaded cold, so p moves the
+    same (applied after insert_hint took the key out, |B1| (|B2|) was one short)."""
     cold, hinted = ARCPolicy(4), ARCPolicy(4)
     _arc_history(cold)
     _arc_history(hinted)
@@ -437,6 +437,10 @@ def test_arc_prefetch_then_load_adapts_p_like_a_cold_load() -> None:
 
 
 async def test_engine_prefetch_then_load_of_a_ghost_moves_p_like_a_load(tmp_path: Path) -> None:
+    """Regression: the same as above through the engine: prefetch+load of a B1 ghost
+    moves p no further than a load alone (ARCPolicy.first_use counts the key in the
+    ghost ratio)."""
+
     async def run(prefetch: bool, root: Path) -> float:
         layout = _layout()
         async with kvtier.TransferEngine(layout, _config(4, "arc", root)) as engine:
@@ -617,9 +621,6 @@ async def test_stats_keys_per_group_excludes_promotions_in_flight(tmp_path: Path
 
 
 def test_stats_from_another_thread_add_up_while_the_pool_churns(tmp_path: Path) -> None:
-    """Fixed bug: same as above through the engine: prefetch+load of a B1 ghost moves p
-    further than a load alone (ARCPolicy.first_use computes the ghost ratio without the
-    key)."""
     layout = _layout(2)
     cfg = _config(6, "arc", tmp_path, layout=layout, bpc=2)
     stop = threading.Event()

@@ -1,9 +1,9 @@
-"""Break-it review: eviction policies and the slot pool, EngineStats, the Prometheus export.
+"""Eviction policies and the slot pool, EngineStats, the Prometheus export.
 
 Faults come only through real seams: a RowIO wrapper (``NVMeConfig.row_io_wrapper``)
 over the real posix backend and real files. A test whose docstring starts with
-"Fixed bug:" was a strict xfail that failed before its fix; the docstring describes
-the bug as it was.
+"Regression:" guards against a bug these once had; the docstring says what must
+hold and how it failed.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _config(
     eviction: str = "lru",
     root: Path | None = None,
     wrapper: Wrapper | None = None,
-    namespace: str = "review",
+    namespace: str = "policy-stats",
     layout: kvtier.KVLayout | None = None,
     bpc: int = 1,
 ) -> kvtier.EngineConfig:
@@ -63,7 +63,7 @@ def _config(
 
 
 def _k(name: object) -> kvtier.OffloadKey:
-    return key(f"rv-{name}", 0)
+    return key(f"policy-{name}", 0)
 
 
 def _live(policy: object) -> set[object]:
@@ -175,6 +175,9 @@ async def test_arc_cold_load_of_a_ghost_key_is_a_use_that_survives_a_scan(tmp_pa
 
 
 async def test_arc_prefetch_of_a_ghost_key_without_a_load_is_not_a_use(tmp_path: Path) -> None:
+    """Regression: a prefetch of an ARC ghost key (in B1/B2) is not counted as a ghost hit
+    at promotion time (SlotPool.commit -> ARCPolicy.insert moving it to T2 and adapting p):
+    README says a prefetch is a hint, not a use, until its load comes."""
     residency, p = await _arc_ghost_then_scan(tmp_path, prefetch=True, load=False)
     assert p == 0.0  # a hint must not adapt ARC's target
     # never used since its eviction: a one-time scan evicts it like any once-seen key
@@ -348,6 +351,9 @@ async def test_pinned_write_through_slots_reject_stores_and_promotions_and_are_c
 
 
 async def test_keys_per_group_counts_resident_keys_only() -> None:
+    """Regression: keys_per_group (and kvtier_resident_keys{tier='cpu'}) counts no key
+    whose store is still in flight (state writing, lookup PENDING); it is documented as
+    resident."""
     layout = _layout()
     async with kvtier.TransferEngine(layout, _config(4)) as engine:
         task = asyncio.ensure_future(engine.store([kvtier.Chunk(_k("p"), [1])]))
@@ -411,6 +417,9 @@ async def test_exposition_is_valid_openmetrics_with_unique_series(tmp_path: Path
 
 
 async def test_two_engines_in_one_registry_give_a_valid_exposition() -> None:
+    """Regression: two engines in one registry (the documented labels={'rank': ...}
+    set-up) expose each family once, not once per engine's collector: no duplicate
+    # HELP/# TYPE lines, which OpenMetrics rejects ('Clashing name')."""
     layout = _layout()
     registry = CollectorRegistry()
     async with (
@@ -427,9 +436,9 @@ async def test_two_engines_in_one_registry_give_a_valid_exposition() -> None:
 
 
 async def test_the_labels_of_a_closed_engine_can_be_taken_again() -> None:
-    """Fixed bug (replaces a test of registry.unregister, which the docstring named):
-    the labels of an export stayed taken until unregister_prometheus; now a closed
-    engine's labels are free, and the docstring names unregister_prometheus."""
+    """Regression: a closed engine's labels are free, not taken until
+    unregister_prometheus; register_prometheus's docstring names unregister_prometheus
+    (not registry.unregister)."""
     layout = _layout()
     registry = CollectorRegistry()
     async with kvtier.TransferEngine(layout, _config(2)) as first:
@@ -456,6 +465,9 @@ async def test_closed_engine_is_freed_without_a_collector() -> None:
 
 
 async def test_collector_does_not_keep_a_closed_engine_alive() -> None:
+    """Regression: _EngineCollector holds no strong reference to the engine: a closed
+    engine does not stay alive (pool entries, policy, ghosts) and keep being exported
+    (e.g. resident slots of an unmapped pool) until someone unregisters it."""
     registry = CollectorRegistry()
     engine = kvtier.TransferEngine(_layout(), _config(2))
     async with engine:
@@ -470,6 +482,10 @@ async def test_collector_does_not_keep_a_closed_engine_alive() -> None:
 async def test_constant_label_clashing_with_a_metric_label_is_refused_or_kept(
     tmp_path: Path,
 ) -> None:
+    """Regression: a constant label named like a per-metric label (kind, state,
+    direction, outcome, tier, group_id) is refused, or kept in every family; it is not
+    accepted and then silently overwritten (two engines told apart by it would export
+    identical series)."""
     registry = CollectorRegistry()
     async with kvtier.TransferEngine(_layout(), _config(2, "lru", tmp_path)) as engine:
         try:
@@ -481,26 +497,11 @@ async def test_constant_label_clashing_with_a_metric_label_is_refused_or_kept(
 
 
 def test_scrape_of_a_busy_background_engine_is_a_consistent_snapshot(tmp_path: Path) -> None:
-    """Fixed bug: TransferEngine.stats() read from another thread (the Prometheus scrape
-    of a BackgroundEngine's engine) is not one snapshot: free_count and each
-    count(state) are separate passes over the pool, so slots by state do not sum to the
-    pool size."""
-    """Fixed bug: a constant label named like a per-metric label (kind, state,
-    direction, outcome, tier, group_id) is accepted and then silently overwritten in
-    those families (two engines told apart by it export identical series)."""
-    """Fixed bug: _EngineCollector holds a strong reference to the engine: a closed
-    engine stays alive (pool entries, policy, ghosts) and keeps being exported (e.g.
-    resident slots of an unmapped pool) until someone unregisters it."""
-    """Fixed bug: each engine's collector yields its own metric families, so two engines
-    in one registry (the documented labels={'rank': ...} set-up) expose every family
-    twice: duplicate # HELP/# TYPE lines, rejected by OpenMetrics ('Clashing name')."""
-    """Fixed bug: bug (minor): keys_per_group (and kvtier_resident_keys{tier='cpu'})
-    counts keys whose store is still in flight (state writing, lookup PENDING);
-    documented as resident."""
-    """Fixed bug: a prefetch of an ARC ghost key (in B1/B2) is counted as a ghost hit at
-    promotion time (SlotPool.commit -> ARCPolicy.insert moves it to T2 and adapts p),
-    although README says a prefetch is a hint, not a use, until its load comes."""
-    """Scrape on this thread while the engine thread stores, loads, prefetches and evicts."""
+    """Regression: TransferEngine.stats() read from another thread (the Prometheus scrape
+    of a BackgroundEngine's engine) is one snapshot, not separate passes over the pool
+    for free_count and each count(state): slots by state sum to the pool size.
+
+    Scrape on this thread while the engine thread stores, loads, prefetches and evicts."""
     layout = _layout()
     cfg = _config(8, "lru", tmp_path)
     registry = CollectorRegistry()

@@ -1,4 +1,4 @@
-"""Review of the staged torch copy path: every torch copy goes through ONE device buffer.
+"""The staged torch copy path: every torch copy goes through ONE device buffer.
 
 ``_staged_copy`` copies a batch of chunks (same group, same sub-block start and
 length) through a buffer laid out like their slots: a store gathers each piece
@@ -27,15 +27,15 @@ reference. Checked here:
   path in a new engine (reopened tier), both ways, reused slots included.
 * ``after=`` on a CPU layout: InvalidArgumentError and nothing changed
   (TransferEngine and BackgroundEngine, on both paths).
-* Found here and fixed: a load job whose calls write the same GPU bytes
-  through two groups that alias memory with different block ids (one tensor
-  registered with two block dims) or through two storages of the same memory
-  was batched, so an earlier load's bytes won on the torch path, where the
-  README promises "the later one wins, in call order" (the NumPy path does).
-* Found here and fixed: with ``copy_threads=2`` (the default on hosts with 2+
-  cores) the NumPy path ran a job's units on both threads at once, so two
-  loads of one job into one block kept call order only by chance; such a
-  job now runs as one unit.
+* Regression: a load job whose calls write the same GPU bytes through two
+  groups that alias memory with different block ids (one tensor registered
+  with two block dims) or through two storages of the same memory is not
+  batched so that an earlier load's bytes win on the torch path: the README
+  promises "the later one wins, in call order" (the NumPy path keeps it).
+* Regression: with ``copy_threads=2`` (the default on hosts with 2+ cores)
+  the NumPy path must not run a job's units on both threads at once, where
+  two loads of one job into one block keep call order only by chance; such a
+  job runs as one unit.
 """
 
 from __future__ import annotations
@@ -742,9 +742,8 @@ async def test_numpy_path_later_load_wins_over_memory_shared_by_groups(variant: 
 
 @pytest.mark.parametrize("variant", ["block-dims", "two-storages"])
 async def test_torch_path_later_load_wins_over_memory_shared_by_groups(variant: str) -> None:
-    """Found here (``_pages_written_twice`` compared block ids per storage, so the
-    batches reordered these loads) and fixed: pieces are compared by the bytes
-    their blocks reach (``kvtier._transfer._aliasing``)."""
+    """Pieces are compared by the bytes their blocks reach (``kvtier._transfer._aliasing``),
+    not by block ids per storage, which let the batches reorder these loads."""
     await _later_load_over_shared_memory(variant, torch_path=True)
 
 
@@ -781,10 +780,10 @@ def test_the_staged_copy_is_the_only_torch_copy() -> None:
 def test_numpy_path_with_two_copy_threads_keeps_the_later_load_into_a_block() -> None:
     """Two load calls of one job write block 5 (a's bytes, then b's), ``copy_threads=2``.
 
-    Before session 15 the job's units ran on both threads at once and call
-    order was kept by chance (the unit of ``a`` held until ``b``'s had run, as
-    a scheduler may do, left a's bytes). A load job that writes a block twice
-    now runs as one unit, in plan order: the held unit is the whole job.
+    The job's units must not run on both threads at once, where call order is
+    kept only by chance (the unit of ``a`` held until ``b``'s has run, as a
+    scheduler may do, leaves a's bytes). A load job that writes a block twice
+    runs as one unit, in plan order: the held unit is the whole job.
     """
     t = _t((8, 256), torch.uint8)
     layout = kvtier.KVLayout.from_tensors({0: {"t": t}})

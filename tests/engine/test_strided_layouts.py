@@ -1,4 +1,4 @@
-"""Review: exotic but legal KV cache layouts, checked byte for byte through both copy paths.
+"""Exotic but legal KV cache layouts, checked byte for byte through both copy paths.
 
 Every round trip stores chunks, scrambles every byte of the backing memory,
 loads the chunks into other block ids and compares the WHOLE backing memory
@@ -6,8 +6,8 @@ loads the chunks into other block ids and compares the WHOLE backing memory
 reference model built independently of ``kvtier.layout`` (``Tensor.select``
 on the user's dims, row-major payload prefix).
 
-A test whose docstring starts with "Fixed bug:" was a strict xfail that failed
-before its fix; the docstring describes the bug as it was.
+A test whose docstring starts with "Regression:" guards against a bug the layout
+checks once had; the docstring says what must hold and how it failed.
 """
 
 from __future__ import annotations
@@ -374,7 +374,7 @@ def _random_case(rng: random.Random) -> dict[str, object]:
 
 
 async def test_random_strided_layouts_round_trip_byte_exact(copy_path: str) -> None:
-    # 400 random layouts per path passed while reviewing; 40 fixed seeds stay here.
+    # 40 fixed seeds of the random builder (400 per path pass too, but take longer).
     for seed in range(40):
         try:
             await roundtrip(**_random_case(random.Random(seed)))  # type: ignore[arg-type]
@@ -401,13 +401,13 @@ def test_small_expanded_and_same_storage_overlaps_are_refused() -> None:
         assert torch.equal(base, before), name
 
 
-# --------------------------------------------------------------------------- bugs
+# -------------------------------------------------------------------- regressions
 
 
 def test_layers_overlapping_through_two_storages_are_refused() -> None:
-    """Fixed bug: layout.py _check_disjoint groups runs by untyped_storage().data_ptr(),
-    so layers over one memory through two storage objects (frombuffer, from_numpy,
-    DLPack, IPC) are never compared."""
+    """Regression: layout.py _check_disjoint compares layers over one memory through two
+    storage objects (frombuffer, from_numpy, DLPack, IPC), not only runs grouped by
+    untyped_storage().data_ptr()."""
     buf = bytearray(8 * 256 + 128)
     a = torch.frombuffer(buf, dtype=torch.uint8, count=2048).view(8, 256)
     b = torch.frombuffer(buf, dtype=torch.uint8, count=2048, offset=128).view(8, 256)
@@ -419,6 +419,9 @@ def test_layers_overlapping_through_two_storages_are_refused() -> None:
 
 
 async def test_load_overlapping_through_two_storages_is_refused(copy_path: str) -> None:
+    """Regression: groups over one memory through two storage objects get the
+    overlapping-load check (_engine.py _alias_classes does not key groups by
+    untyped_storage().data_ptr() alone)."""
     buf = bytearray(8 * 256)
     a = torch.frombuffer(buf, dtype=torch.uint8).view(8, 256)
     b = torch.frombuffer(buf, dtype=torch.uint8, offset=256).view(7, 256)  # b[k] is a[k + 1]
@@ -437,10 +440,8 @@ async def test_load_overlapping_through_two_storages_is_refused(copy_path: str) 
 
 
 def test_expanded_view_with_many_runs_is_refused() -> None:
-    """Fixed bug: layout.py _segment_starts returns None past _MAX_SEGMENTS runs and
-    _check_disjoint then skips the layer: a stride-0 (expanded) view is accepted."""
-    """Fixed bug: _engine.py _alias_classes keys groups by untyped_storage().data_ptr():
-    groups over one memory through two storage objects skip the overlapping-load check."""
+    """Regression: a stride-0 (expanded) view past _MAX_SEGMENTS runs is refused; where
+    layout.py _segment_starts gives up, _check_disjoint does not skip the layer."""
     # 4096 blocks of 4097 one-byte runs (> 2**24): every block is the same single byte.
     e = torch.zeros(1, dtype=torch.uint8).expand(4096, 4097)
     with pytest.raises(errors.LayoutError):

@@ -1,4 +1,4 @@
-"""Review of a1e5039: the torch copy path batches a job's chunks by (group, start, length).
+"""The torch copy path batches a job's chunks by (group, start, length).
 
 The torch path (CUDA hosts' code) is forced on CPU tensors by replacing
 ``kvtier._engine.host_pieces``. With ``copy_threads=1`` a job is ONE
@@ -13,12 +13,10 @@ The torch path (CUDA hosts' code) is forced on CPU tensors by replacing
   at both ends. The torch path's slot bytes and loaded bytes must equal the
   NumPy path's, and every chunk must have gone through ``_torch_batch``.
 * Order: two loads of one job into the same GPU block leave the later one's
-  bytes on the NumPy path (and on the torch path before a1e5039, which copied
-  chunk by chunk in plan order). ``_run_torch`` ran batch after batch in the
-  order of their first chunk, so a later chunk of an earlier batch was copied
-  before an earlier chunk of a later batch (a bug, fixed: a load that writes a
-  page twice now goes chunk by chunk in plan order; the two tests failed
-  before the fix).
+  bytes, on the NumPy path and on the torch path. Run batch after batch in the
+  order of their first chunk, ``_run_torch`` would copy a later chunk of an
+  earlier batch before an earlier chunk of a later batch; a load that writes a
+  page twice goes chunk by chunk in plan order (two regression tests).
 * A failure in the middle of a batch: the job fails, no block receives bytes
   that are not its own, and the engine keeps working.
 * Single-chunk batches and an empty plan.
@@ -102,7 +100,7 @@ def _many_chunks(case: _Case, seed: int) -> tuple[list[kvtier.Chunk], list[kvtie
         for g, specs in per_group.items():
             if i < len(specs):
                 ids, off = specs[i]
-                stored.append(kvtier.Chunk(key(f"b12.{g}.{i}", g), ids, off))
+                stored.append(kvtier.Chunk(key(f"many.{g}.{i}", g), ids, off))
     total = sum(len(c.block_ids) for c in stored)
     assert total <= NB
     targets = iter(rng.sample(range(NB), total))

@@ -1,10 +1,9 @@
 """Calls from another thread or event loop than the engine's raise WrongThreadError.
 
-The engine is not thread-safe: a call from a foreign thread raced the loop's
-own bookkeeping, and a load awaited on another thread's loop could wait
-forever (found by a fresh user's trial: one load in a few hundred hung). Such
-calls now raise at once and change nothing; ``stats()`` stays readable from
-any thread (metrics scrapes read it).
+The engine is not thread-safe: a call from a foreign thread would race the
+loop's own bookkeeping, and a load awaited on another thread's loop could wait
+forever (one load in a few hundred hung). Such calls raise at once and change
+nothing; ``stats()`` stays readable from any thread (metrics scrapes read it).
 """
 
 from __future__ import annotations

@@ -169,6 +169,16 @@ def test_inspect_reports_garbage_instead_of_raising(tmp_path, case) -> None:
         for args in (["inspect", str(tmp_path)], ["inspect", "--json", str(tmp_path)]):
             r = CliRunner().invoke(cli_main, args)  # inspect_root did not block above
             assert r.exit_code == 0, f"{r.output}\n{r.exception!r}"
+        checked = _with_timeout(lambda: inspect_root(tmp_path, verify=True))
+        (ns,) = checked["namespaces"]
+        assert checked["clean"] is (expect != "segment")  # an unusable segment fails --verify
+        assert ns["summary"]["invalid_segments"] == int(expect == "segment")
+        for args in (
+            ["inspect", "--verify", str(tmp_path)],
+            ["inspect", "--verify", "--json", str(tmp_path)],
+        ):
+            r = CliRunner().invoke(cli_main, args)
+            assert r.exit_code == int(expect == "segment"), f"{r.output}\n{r.exception!r}"
     finally:
         if isinstance(held, _HeldLock):
             os.close(held.fd)

@@ -248,8 +248,8 @@ async def test_small_filesystem_evicts_each_groups_oldest_keys_once_full(small_f
     """A filesystem smaller than ``capacity_bytes``: once it is full, growth fails
     (ENOSPC) and each new row takes the row of its group's least recently used key
     (``disk_full_evictions``), so the tier goes on storing as an LRU cache within the
-    space it got. Until session 13 every such write failed with ``enospc`` and the
-    tier kept its oldest keys for good."""
+    space it got, rather than failing every such write with ``enospc`` and keeping its
+    oldest keys for good."""
     root, wrapper = small_fs
     tier = NVMeTier(
         **tier_kwargs(root, capacity_bytes=64 << 20, row_io_wrapper=wrapper, segment_nbytes=2 << 20)
@@ -298,7 +298,7 @@ async def test_full_filesystem_never_evicts_keys_of_the_same_call_and_grows_agai
     but never one of the same ``write_rows`` call (those are not resident yet): with
     every older key of the group gone, the next row punches free rows of another group
     (group 0's growth step, which holds 4 keys) and grows, and no key of group 0 goes
-    (until session 16 it failed with ``enospc``). Once space is free again, the group
+    (the write does not fail with ``enospc``). Once space is free again, the group
     grows instead of evicting."""
     holder: list[_SmallFilesystem] = []
 

@@ -282,7 +282,7 @@ async def test_failed_growth_ahead_fails_no_key_and_on_demand_growth_reports_it(
     assert err.kind == "enospc"  # the write that needed a row reports it
     assert tier.stats()["failures_enospc"] == 1
     await tier.drain()
-    # the on-demand step, then one row (session 13); no more growth ahead for that group
+    # the on-demand step, then one row; no more growth ahead for that group
     assert fault.hits == len(GROUP_NBYTES) + 2
     fault.times = fault.hits  # room again
     assert await tier.write_rows([row]) == [None]
@@ -293,8 +293,8 @@ async def test_failed_growth_ahead_fails_no_key_and_on_demand_growth_reports_it(
 
 
 async def test_segment_creation_enospc(open_tier, slots) -> None:
-    # the step and its one-row retry both fail (session 13: a step that did not fit
-    # is tried again as one row before the write fails or evicts)
+    # the step and its one-row retry both fail (a step that does not fit is tried
+    # again as one row before the write fails or evicts)
     fault = Fault("allocate", "errno", err=errno.ENOSPC, times=2)
     wrap, _ = _wrapped([fault])
     tier = await open_tier(row_io_wrapper=wrap, grow_ahead=False)  # creation on demand

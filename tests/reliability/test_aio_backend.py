@@ -1,4 +1,4 @@
-"""Review of the opt-in ``io_backend="aio"`` NVMe backend: real files, real kernel AIO.
+"""The opt-in ``io_backend="aio"`` NVMe backend: real files, real kernel AIO.
 
 Every test here goes through a real seam: a real :class:`AioContext` on
 O_DIRECT files, a real :class:`NVMeTier` or :class:`TransferEngine`, a
@@ -69,17 +69,19 @@ def _slot_nbytes() -> int:
 
 
 def test_cancelled_request_future_does_not_kill_the_reaper(aio_dir: pathlib.Path) -> None:
-    """Regression (fixed): the future returned by ``submit`` was a
-    plain ``concurrent.futures.Future``; anybody may ``cancel()`` it while it is
+    """Regression: a cancelled request future does not kill the reaper.
+
+    Anybody may ``cancel()`` the future returned by ``submit`` while it is
     pending (``asyncio.wrap_future`` does exactly that when the awaiting task is
     cancelled, e.g. by ``asyncio.run`` cancelling leftover tasks at shutdown).
-    When the kernel then completes the request, the reaper calls
-    ``fut.set_result`` on a CANCELLED future -> ``InvalidStateError`` escapes
-    ``_reap``, the reaper thread dies, and every other completed/queued request
-    (and every later one) never completes: callers hang forever, queued iocbs
-    are never submitted. Fix: ``fut.set_running_or_notify_cancel()`` before
-    submitting (then ``cancel()`` returns False), or guard completion with
-    ``if not fut.cancelled()`` / ``contextlib.suppress(InvalidStateError)``.
+    Were it a plain ``concurrent.futures.Future``, the reaper would call
+    ``fut.set_result`` on a CANCELLED future when the kernel completes the
+    request -> ``InvalidStateError`` escapes ``_reap``, the reaper thread dies,
+    and every other completed/queued request (and every later one) never
+    completes: callers hang forever, queued iocbs are never submitted. Hence
+    ``fut.set_running_or_notify_cancel()`` before submitting (then ``cancel()``
+    returns False), or completion guarded by ``if not fut.cancelled()`` /
+    ``contextlib.suppress(InvalidStateError)``.
     """
     io = AioRowIO(depth=1)
     h = io.open(aio_dir / "f", create=True)
@@ -418,17 +420,16 @@ async def test_cancelled_read_rows_keeps_slots_busy_until_drain(aio_dir: pathlib
 def test_tier_task_cancelled_at_loop_shutdown_does_not_kill_the_reaper(
     aio_dir: pathlib.Path,
 ) -> None:
-    """BUG (io/_requests.py request_done with io/_aio.py:194-198): the tier
-    awaits ``asyncio.wrap_future(fut)``; when its task is cancelled (here:
-    ``asyncio.run`` cancels the tasks left at the end, a caller that forgot to
-    close), ``wrap_future`` cancels the concurrent future, and the reaper then
-    dies on ``set_result`` of a cancelled future (InvalidStateError). The same
-    AIO context then never completes anything again: the reaper thread is gone
-    while requests are still pending, and ``shutdown`` returns with them
-    unfinished. Fix: as in the AioContext test (make the futures uncancellable
-    with ``set_running_or_notify_cancel()``, or ignore cancelled futures in
-    ``_reap``); the tier should also await the future through ``_settle``-style
-    shielding so a cancelled task does not abandon a slot still being DMA'd.
+    """Regression: the tier awaits ``asyncio.wrap_future(fut)``; when its task is
+    cancelled (here: ``asyncio.run`` cancels the tasks left at the end, a caller
+    that forgot to close), ``wrap_future`` cancels the concurrent future, and the
+    reaper must not then die on ``set_result`` of a cancelled future
+    (InvalidStateError). Were it to, the same AIO context would never complete
+    anything again: the reaper thread gone while requests are still pending,
+    ``shutdown`` returning with them unfinished. As in the AioContext test, the
+    futures are uncancellable (``set_running_or_notify_cancel()``) or cancelled
+    futures are ignored in ``_reap``; a cancelled task must also not abandon a
+    slot still being DMA'd.
     """
     errors: list[BaseException] = []
     old_hook = threading.excepthook

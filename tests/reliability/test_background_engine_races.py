@@ -1,6 +1,6 @@
-"""Break-it review of BackgroundEngine, start/close races, eviction and odd roots.
+"""BackgroundEngine, start/close races, eviction and odd roots.
 
-Areas earlier reviews touched less:
+Areas:
 
 * ``BackgroundEngine``: ``cancel()``, ``close()`` while calls (or ``start()``)
   are in flight, from two threads, calls after close, calls made from the
@@ -16,8 +16,8 @@ Areas earlier reviews touched less:
 * ``stats()`` after failures; bad input changes nothing.
 
 Faults are injected only through ``NVMeConfig.row_io_wrapper`` (a real
-backend underneath) or observed in a child process. A test headed "Fixed
-bug" failed before its fix (each was a strict xfail until then).
+backend underneath) or observed in a child process. A test headed
+"Regression" guards against a bug the engine once had.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def _layout(nb: int = 32, seed: int = 71, page: int = 4096) -> tuple[kvtier.KVLa
 
 
 def _nvme(
-    root: Path, *, ns: str = "s7", wrapper: Any = None, capacity: int = 16 << 20
+    root: Path, *, ns: str = "races", wrapper: Any = None, capacity: int = 16 << 20
 ) -> kvtier.NVMeConfig:
     return kvtier.NVMeConfig(
         root=root,
@@ -144,8 +144,8 @@ def _unstick_engine_thread(bg: kvtier.BackgroundEngine) -> None:
 # ====================================================================== BackgroundEngine
 
 
-# Fixed bug: a second BackgroundEngine.close() returns at once while the first is still closing
-# (namespace lock held); close() promises 'blocks until done'
+# Regression: a second BackgroundEngine.close() does not return at once while the first is still
+# closing (namespace lock held); close() promises 'blocks until done'
 def test_background_close_from_two_threads_both_return_after_the_engine_is_closed(
     tmp_path: Path,
 ) -> None:
@@ -175,8 +175,8 @@ def test_background_close_from_two_threads_both_return_after_the_engine_is_close
             first.join(10)
 
 
-# Fixed bug: cancel() of a load that already finished raises TimeoutError while an unrelated
-# durable store waits for its row (_settle waits for every engine task)
+# Regression: cancel() of a load that already finished does not raise TimeoutError while an
+# unrelated durable store waits for its row (_settle must not wait for every engine task)
 def test_background_cancel_of_a_finished_load_does_not_wait_for_other_durable_stores(
     tmp_path: Path,
 ) -> None:
@@ -201,8 +201,8 @@ def test_background_cancel_of_a_finished_load_does_not_wait_for_other_durable_st
         bg.close()
 
 
-# Fixed bug: BackgroundEngine.close() swallows the StorageError of a failed final fdatasync that
-# TransferEngine.aclose() raises (_shutdown suppresses Exception)
+# Regression: BackgroundEngine.close() does not swallow the StorageError of a failed final
+# fdatasync that TransferEngine.aclose() raises (_shutdown must not suppress Exception)
 def test_background_close_reports_a_failed_final_fdatasync(tmp_path: Path) -> None:
     layout, _ = _layout()
     wrap = Wrapper()
@@ -239,8 +239,8 @@ def test_transfer_engine_aclose_raises_the_failed_final_fdatasync(tmp_path: Path
     asyncio.run(main())
 
 
-# Fixed bug: a BackgroundEngine call made on the engine thread (a Future's done callback)
-# deadlocks the engine forever instead of returning or raising
+# Regression: a BackgroundEngine call made on the engine thread (a Future's done callback)
+# returns or raises, instead of deadlocking the engine forever
 def test_background_call_from_a_done_callback_does_not_deadlock() -> None:
     layout, _ = _layout()
     bg = kvtier.BackgroundEngine(layout, _cfg(layout, 4))
@@ -268,8 +268,8 @@ def test_background_call_from_a_done_callback_does_not_deadlock() -> None:
         bg.close()
 
 
-# Fixed bug: BackgroundEngine.cancel(not_a_future) raises AttributeError, not a typed
-# InvalidArgumentError
+# Regression: BackgroundEngine.cancel(not_a_future) raises a typed InvalidArgumentError, not
+# AttributeError
 def test_background_cancel_of_a_non_future_is_a_typed_error() -> None:
     layout, _ = _layout()
     with (
@@ -304,8 +304,8 @@ def _blocked_durable_store(
         bg.close()
 
 
-# Fixed bug: BackgroundEngine.cancel(fut, timeout='1') cancels the call, then raises TypeError:
-# bad input changes state and is untyped
+# Regression: BackgroundEngine.cancel(fut, timeout='1') raises InvalidArgumentError and does not
+# cancel the call (not: cancel it, then raise TypeError, bad input changing state untyped)
 def test_background_cancel_with_a_bad_timeout_changes_nothing(tmp_path: Path) -> None:
     with _blocked_durable_store(tmp_path) as (bg, durable, _):
         assert not durable.done()
@@ -477,8 +477,8 @@ _CLOSE_DURING_START = textwrap.dedent(
 )
 
 
-# Fixed bug: aclose()/close() while start() pre-faults the CPU pool unmaps the pool under the
-# worker thread: the process dies with SIGSEGV
+# Regression: aclose()/close() while start() pre-faults the CPU pool does not unmap the pool under
+# the worker thread, where the process would die with SIGSEGV
 @pytest.mark.parametrize("case", ["engine", "background"])
 def test_close_while_start_prefaults_does_not_crash_the_process(case: str, tmp_path: Path) -> None:
     script = tmp_path / "close_during_start.py"
@@ -506,8 +506,8 @@ class _SlowOpen(DelegatingRowIO):
         return self.inner.open(path, create)
 
 
-# Fixed bug: aclose() during start() returns 'closed', then start() finishes and the engine is
-# open again (pool unmapped) holding the namespace lock, which no aclose releases
+# Regression: after aclose() during start() returns 'closed', start() must not finish with the
+# engine open again (pool unmapped) holding the namespace lock, which no aclose releases
 async def test_aclose_during_start_leaves_the_engine_closed_and_the_namespace_free(
     tmp_path: Path,
 ) -> None:
@@ -521,8 +521,8 @@ async def test_aclose_during_start_leaves_the_engine_closed_and_the_namespace_fr
     try:
         await _await_for(_SlowOpen.entered.is_set, "the tier scan")
         # aclose waits for the start in progress (its scan is held): release the
-        # scan while aclose waits (until session 13 the test set the gate only
-        # after aclose, which returned once the held open timed out after 10 s).
+        # scan while aclose waits (set only after aclose, the gate would let aclose
+        # return only once the held open timed out after 10 s).
         closing = asyncio.ensure_future(engine.aclose())
         await asyncio.sleep(0.05)
         assert not closing.done()
@@ -548,8 +548,9 @@ async def test_aclose_during_start_leaves_the_engine_closed_and_the_namespace_fr
 # ====================================================================== eviction
 
 
-# Fixed bug: a store evicts a key of its own call (a skipped, present key) to place another;
-# SlotPool.reserve is protected only by the new keys (_prepare_store by_key)
+# Regression: a store never evicts a key of its own call (a skipped, present key) to place
+# another; SlotPool.reserve protects every key of the call, not only the new ones
+# (_prepare_store by_key)
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 async def test_store_never_evicts_a_present_key_of_the_same_call(policy: str) -> None:
     layout, _t = _layout()
@@ -879,7 +880,11 @@ def test_inspect_and_remove_on_odd_roots(tmp_path: Path) -> None:
     res = runner.invoke(cli_main, ["inspect", str(empty)])
     assert res.exit_code == 1
     assert "no kvtier namespace folder" in res.output
-    assert inspect_root(empty) == {"root": str(empty), "namespaces": []}
+    assert inspect_root(empty) == {
+        "root": str(empty),
+        "namespaces": [],
+        "payloads_verified": False,
+    }
     res = runner.invoke(cli_main, ["remove", "--yes", str(empty), "nothing-0123456789abcdef"])
     assert res.exit_code == 1
     assert "no folder 'nothing-0123456789abcdef'" in res.output
@@ -963,9 +968,9 @@ async def test_inspect_and_remove_a_namespace_of_another_format_next_to_a_live_e
 # ====================================================================== stats and bad input
 
 
-# Fixed bug: a promotion that finds no free CPU slot was counted nowhere for prefetch (and
-# only in load_failures for a load). It now counts in ``rejected``, as a store that finds no
-# slot does; it is not a failed read (the row stays on NVMe), so ``failures`` stays empty.
+# Regression: a promotion that finds no free CPU slot counts in ``rejected``, as a store that
+# finds no slot does (not nowhere for prefetch, nor only in load_failures for a load); it is
+# not a failed read (the row stays on NVMe), so ``failures`` stays empty.
 async def test_a_promotion_without_a_free_slot_is_counted_as_rejected(tmp_path: Path) -> None:
     layout, _ = _layout()
     k, x = key("k", 0), key("x", 0)

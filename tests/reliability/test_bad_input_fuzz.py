@@ -1,4 +1,4 @@
-"""Property-based fuzzing of bad input (review, session 13).
+"""Property-based fuzzing of bad input.
 
 The rule under test (README "Errors", docs/DESIGN.md section 6,
 ``kvtier.errors``): bad input gets a clear typed error and changes no state;
@@ -18,11 +18,10 @@ input is valid, or raises the documented typed error; after a rejected call
 ``stats()``, ``lookup`` and ``stored_range`` of the stored keys are unchanged
 and they still load byte for byte; valid calls still work afterwards.
 
-Where the code differed from its documentation, the review wrote a minimal
-reproducer as a strict xfail (the property strategies leave those inputs out,
-so that the properties test everything else). All eleven were fixed in the
-same session; each reproducer is now a plain test, under a comment that
-keeps its original reason.
+Inputs where the code once differed from its documentation have a minimal
+regression test each (the property strategies leave those inputs out, so
+that the properties test everything else), under a comment that says what
+must hold and how it failed.
 
 The engine properties run one engine per test on a private asyncio loop
 (examples inside it), every awaited call bounded by a timeout (a hang fails).
@@ -372,7 +371,7 @@ def test_chunk_accepts_exactly_what_its_docstring_says(args: tuple[Box, Any]) ->
 
 
 def _hash(name: object) -> bytes:
-    return hashlib.blake2b(f"fuzz13:{name}".encode(), digest_size=16).digest()
+    return hashlib.blake2b(f"bad-input-fuzz:{name}".encode(), digest_size=16).digest()
 
 
 @dataclass
@@ -896,8 +895,8 @@ def test_background_cancel_rejects_foreign_futures_non_futures_and_bad_timeouts(
         and not isinstance(timeout, bool)
         and 0 <= timeout <= threading.TIMEOUT_MAX
     )
-    # A Future this engine did not return is refused, whatever the timeout (session 14:
-    # it was accepted and cancelled, and the wait covered this engine's work only).
+    # A Future this engine did not return is refused, whatever the timeout (not accepted
+    # and cancelled, with the wait covering this engine's work only).
     got, exc = _attempt(lambda: be.cancel(future, timeout))
     assert exc is not None, f"cancel({future!r}, {timeout!r}) accepted"
     _assert_arg_error(exc)
@@ -912,7 +911,7 @@ def test_background_cancel_rejects_foreign_futures_non_futures_and_bad_timeouts(
         assert got is False  # it had finished: left alone
 
 
-# Fixed in session 14: a bytes subclass whose __len__ lies got past the 1..64-byte check.
+# Regression: a bytes subclass whose __len__ lies does not get past the 1..64-byte check.
 def test_offload_key_copies_a_bytes_subclass_and_checks_its_real_length() -> None:
     class Lying(bytes):
         def __len__(self) -> int:
@@ -1341,17 +1340,17 @@ def test_from_tensors_rejects_bad_tensors_with_layout_error(
     _roundtrip(layout, inp)
 
 
-# ---------------------------------------------------------------------- found bugs
+# --------------------------------------------------------------------- regressions
 # Each is a minimal reproducer of an input the properties above leave out.
 
 _T = torch.zeros(8, 64, dtype=torch.float16)
 
 
-# Fixed in session 13 (was a strict xfail): Chunk's docstring: block_ids 'bools ... are
-# rejected, never truncated' (Python bool and np.bool_ are), but a torch bool tensor passes
-# operator.index: Chunk(key, torch.tensor([True, False])) has block_ids (1, 0), and Chunk(key,
-# [torch.tensor(True)]) (1,); a boolean mask passed as a block table silently stores/loads
-# blocks 1 and 0
+# Regression: Chunk's docstring: block_ids 'bools ... are rejected, never truncated'. That
+# holds for a torch bool tensor too, though it passes operator.index (accepted,
+# Chunk(key, torch.tensor([True, False])) would have block_ids (1, 0), and Chunk(key,
+# [torch.tensor(True)]) (1,): a boolean mask passed as a block table would silently store/load
+# blocks 1 and 0)
 @pytest.mark.parametrize(
     "block_ids",
     [torch.tensor([True, False]), [torch.tensor(True)]],
@@ -1362,42 +1361,40 @@ def test_chunk_rejects_bool_tensor_block_ids(block_ids: Any) -> None:
         kvtier.Chunk(_K, block_ids)
 
 
-# Fixed in session 13 (was a strict xfail): Chunk's docstring: block_ids are the blocks of
-# sub-blocks offset.. 'in order' and BlockIdError when 'block_ids is not a sequence of ints'; a
-# set is accepted and reordered by hash order: Chunk(key, {5, 1, 3}).block_ids == (1, 3, 5), so
-# sub-block 0 is taken from block 1 and the KV cache comes back permuted
+# Regression: Chunk's docstring: block_ids are the blocks of sub-blocks offset.. 'in order' and
+# BlockIdError when 'block_ids is not a sequence of ints'. A set is refused, not reordered by
+# hash order (Chunk(key, {5, 1, 3}).block_ids == (1, 3, 5) would take sub-block 0 from block 1
+# and bring the KV cache back permuted)
 @pytest.mark.parametrize("make", [set, frozenset], ids=["set", "frozenset"])
 def test_chunk_rejects_unordered_block_ids(make: Callable[[list[int]], Any]) -> None:
     with pytest.raises(errors.BlockIdError):
         kvtier.Chunk(_K, make([5, 1, 3]))
 
 
-# Fixed in session 13 (was a strict xfail): from_tensors documents LayoutError for 'empty
-# groups, a non-tensor'; a group whose value is None or an int raises a bare TypeError
-# ('NoneType' object is not iterable) from the payload/block_dim name check, before the
-# per-group check
+# Regression: from_tensors documents LayoutError for 'empty groups, a non-tensor'; a group whose
+# value is None or an int raises it, not a bare TypeError ('NoneType' object is not iterable)
+# from the payload/block_dim name check, before the per-group check
 @pytest.mark.parametrize("value", [None, 5], ids=["None", "int"])
 def test_from_tensors_non_mapping_group_is_a_layout_error(value: Any) -> None:
     with pytest.raises(errors.LayoutError):
         kvtier.KVLayout.from_tensors({0: value})
 
 
-# Fixed in session 13 (was a strict xfail): from_tensors: payload_nbytes is '{layer_name:
-# bytes}' and block_dim takes 'one int for all layers', but payload_nbytes=64 raises a bare
-# TypeError ('int' object is not iterable) and payload_nbytes='a' a bare ValueError (dict update
-# sequence), neither a KVTierError; dict(payload_nbytes or {}) also makes payload_nbytes=0 mean
-# 'no payload'
+# Regression: from_tensors: payload_nbytes is '{layer_name: bytes}' (block_dim takes 'one int
+# for all layers'); payload_nbytes=64 or 'a' raises LayoutError, not a bare TypeError ('int'
+# object is not iterable) or ValueError (dict update sequence), neither a KVTierError; and
+# payload_nbytes=0 does not mean 'no payload' (as dict(payload_nbytes or {}) would make it)
 @pytest.mark.parametrize("payload", [64, "a", [64]], ids=["int", "str", "list"])
 def test_from_tensors_payload_nbytes_not_a_mapping_is_a_layout_error(payload: Any) -> None:
     with pytest.raises(errors.LayoutError):
         kvtier.KVLayout.from_tensors({0: {"a": _T}}, payload_nbytes=payload)
 
 
-# Fixed in session 13 (was a strict xfail): from_tensors documents LayoutError for 'a meta or
-# sparse tensor'; only COO (tensor.is_sparse) is caught: a sparse CSR/CSC/BSR tensor raises a
-# bare RuntimeError ('Sparse CSR tensors do not have strides') and a nested tensor a bare
-# RuntimeError (strided) or NotImplementedError (jagged); _check_names_are_unique skips layout
-# != torch.strided as 'reported with its layer', which never happens
+# Regression: from_tensors documents LayoutError for 'a meta or sparse tensor', and raises it
+# for every non-strided layout, not only COO (tensor.is_sparse): a sparse CSR/CSC/BSR tensor
+# must not raise a bare RuntimeError ('Sparse CSR tensors do not have strides'), nor a nested
+# tensor a bare RuntimeError (strided) or NotImplementedError (jagged); _check_names_are_unique
+# skips layout != torch.strided as 'reported with its layer', which must then happen
 @pytest.mark.filterwarnings("ignore::UserWarning")  # "sparse CSR is in beta", "nested: prototype"
 @pytest.mark.parametrize("kind", ["csr", "csc", "bsr", "nested", "jagged"])
 def test_from_tensors_non_strided_tensor_is_a_layout_error(kind: str) -> None:
@@ -1415,10 +1412,9 @@ def test_from_tensors_non_strided_tensor_is_a_layout_error(kind: str) -> None:
         kvtier.KVLayout.from_tensors({0: {"a": t}})
 
 
-# Fixed in session 13 (was a strict xfail): from_tensors reports unknown names with sorted(...):
-# unknown keys of mixed types (payload_nbytes={'x': 3, 1: 2}, block_dim={'x': 0, 1: 0},
-# tokens_per_block={0: 16, 'x': 16, 1: 3}) raise a bare TypeError ("'<' not supported between
-# instances of 'str' and 'int'") instead of LayoutError
+# Regression: from_tensors reports unknown names of mixed types (payload_nbytes={'x': 3, 1: 2},
+# block_dim={'x': 0, 1: 0}, tokens_per_block={0: 16, 'x': 16, 1: 3}) with LayoutError, not a
+# bare TypeError from sorted(...) ("'<' not supported between instances of 'str' and 'int'")
 @pytest.mark.parametrize("arg", ["payload_nbytes", "block_dim", "tokens_per_block"])
 def test_from_tensors_unknown_names_of_mixed_types(arg: str) -> None:
     bad: dict[Any, Any] = {"x": 3, 1: 2} if arg != "tokens_per_block" else {0: 16, "x": 16, 1: 3}
@@ -1426,10 +1422,10 @@ def test_from_tensors_unknown_names_of_mixed_types(arg: str) -> None:
         kvtier.KVLayout.from_tensors({0: {"a": _T}}, **{arg: bad})
 
 
-# Fixed in session 13 (was a strict xfail): from_tensors takes {layer_name: tensor} (layer_name:
-# str) and accepts a bytes (or any hashable) name; start() with an NVMe tier then raises a bare
-# TypeError ('Object of type bytes is not JSON serializable') from the format digest instead of
-# a LayoutError at registration or a ConfigError
+# Regression: from_tensors takes {layer_name: tensor} (layer_name: str); a bytes (or any
+# hashable) name gets a LayoutError at registration or a typed error from start() with an NVMe
+# tier, not a bare TypeError ('Object of type bytes is not JSON serializable') from the format
+# digest
 async def test_non_str_layer_name_is_rejected_with_a_typed_error(tmp_path: pathlib.Path) -> None:
     try:
         layout = kvtier.KVLayout.from_tensors({0: {b"a": _T}})
@@ -1444,10 +1440,10 @@ async def test_non_str_layer_name_is_rejected_with_a_typed_error(tmp_path: pathl
         await engine.aclose()
 
 
-# Fixed in session 13 (was a strict xfail): NVMeConfig(row_io_wrapper=5) is accepted (no check;
-# its docstring: 'Raises ConfigError: a value is out of range') and start() then raises a bare
-# TypeError ('int' object is not callable) from inside the tier (a wrapper returning None: a
-# bare AssertionError); BackgroundEngine.start() the same
+# Regression: NVMeConfig(row_io_wrapper=5) gets a ConfigError (its docstring: 'Raises
+# ConfigError: a value is out of range'), from the config or from start(), not a bare TypeError
+# ('int' object is not callable) from inside the tier (nor, for a wrapper returning None, a bare
+# AssertionError); BackgroundEngine.start() the same
 async def test_row_io_wrapper_not_callable_is_a_config_error(tmp_path: pathlib.Path) -> None:
     try:
         nv = kvtier.NVMeConfig(root=str(tmp_path), capacity_bytes=1 << 24, row_io_wrapper=5)  # type: ignore[arg-type]
@@ -1461,20 +1457,19 @@ async def test_row_io_wrapper_not_callable_is_a_config_error(tmp_path: pathlib.P
         await engine.aclose()
 
 
-# Fixed in session 13 (was a strict xfail): EngineConfig checks every field but pin_memory and
-# write_through: EngineConfig(write_through='no') and (pin_memory='no') are accepted and mean
-# True (NVMeConfig rejects grow_ahead='yes' with ConfigError, as test_bad_input checks);
-# store(durable='no') is likewise taken as durable=True
+# Regression: EngineConfig checks pin_memory and write_through like every other field:
+# EngineConfig(write_through='no') and (pin_memory='no') are refused, not taken to mean True (as
+# NVMeConfig rejects grow_ahead='yes' with ConfigError, which test_bad_input checks); for
+# store(durable='no') see test_store_durable_must_be_a_bool
 @pytest.mark.parametrize("name", ["write_through", "pin_memory"])
 def test_engine_config_bool_flags_must_be_bools(name: str) -> None:
     with pytest.raises(errors.ConfigError):
         kvtier.EngineConfig(1 << 20, **{name: "no"})
 
 
-# Fixed in session 13 (was a strict xfail): start() documents 'ConfigError: the NVMe root is
-# unusable' (a file, below a file, read-only: ConfigError); a root with a component longer than
-# NAME_MAX (255) raises a bare OSError ENAMETOOLONG from root.exists() in io/_files.py
-# prepare_directory
+# Regression: start() documents 'ConfigError: the NVMe root is unusable' (a file, below a file,
+# read-only: ConfigError); a root with a component longer than NAME_MAX (255) raises it too,
+# not a bare OSError ENAMETOOLONG from root.exists() in io/_files.py prepare_directory
 async def test_nvme_root_name_too_long_is_a_config_error(tmp_path: pathlib.Path) -> None:
     nv = kvtier.NVMeConfig(root=str(tmp_path / ("z" * 300)), capacity_bytes=1 << 24)
     engine = kvtier.TransferEngine(_LAYOUT_GPU.layout, engine_config(_LAYOUT_GPU, 2, nv))
@@ -1489,12 +1484,11 @@ class KeySub(kvtier.OffloadKey):
     pass
 
 
-# Fixed in session 13 (was a strict xfail): OffloadKey is a dataclass whose __eq__ requires the
-# exact class while __hash__ only covers (block_hash, group_id): an instance of a subclass
-# naming a stored key is a different key. lookup says MISS for a key on CPU and NVMe, and store
-# stores it again (a second slot and NVMe row for one (hash, group); after a restart the later
-# row replaces the first) where the README says 'storing a present key is skipped'; subclasses
-# are neither rejected nor normalized
+# Regression: an instance of an OffloadKey subclass naming a stored key is the same key, though
+# a dataclass __eq__ would require the exact class while __hash__ only covers (block_hash,
+# group_id). lookup must not say MISS for a key on CPU and NVMe, nor store store it again (a
+# second slot and NVMe row for one (hash, group); after a restart the later row replaces the
+# first): the README says 'storing a present key is skipped'
 async def test_offload_key_subclass_names_the_same_key(tmp_path: pathlib.Path) -> None:
     gpu = Gpu(16)
     cfg = engine_config(gpu, 4, nvme_config(tmp_path, grow_ahead=False))
@@ -1508,7 +1502,7 @@ async def test_offload_key_subclass_names_the_same_key(tmp_path: pathlib.Path) -
 
 
 async def test_store_durable_must_be_a_bool() -> None:
-    """``store(durable="no")`` was taken as durable=True (noted by the review); now refused."""
+    """``store(durable="no")`` is refused, not taken as durable=True."""
     gpu = Gpu(16)
     async with kvtier.TransferEngine(gpu.layout, engine_config(gpu, 4)) as engine:
         k = kvtier.OffloadKey(b"d" * 16, 0)

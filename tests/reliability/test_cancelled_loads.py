@@ -1,8 +1,8 @@
-"""Review of cancelled loads, bounded re-waits and CPU copy units (d93ef5b, a4ceae4, 0666c32).
+"""Cancelled loads, bounded re-waits and CPU copy units.
 
-The bugs it found are fixed (``_withdraw`` compared calls holding tensors with
-``==``; ``BackgroundEngine.cancel`` now waits for the cancelled call; a failed
-copy's partial writes are documented in GUARANTEES 1). Every test can fail:
+Regressions guarded here: ``_withdraw`` must not compare calls holding tensors
+with ``==``; ``BackgroundEngine.cancel`` waits for the cancelled call; a failed
+copy's partial writes are documented in GUARANTEES 1. Every test can fail:
 wrong bytes, blocks written after the call ended, leaked pins, hangs, spurious
 misses, errors reported to the wrong call.
 """

@@ -1,14 +1,14 @@
-"""Break-it review of the fixes in 903ea89..HEAD (engine/, io/).
+"""Close races, cancel and queries across threads, and the messages of open, inspect, remove.
 
-Attacked: ``aclose()`` racing ``start()`` (``_started`` / ``_close_requested``),
+Covered: ``aclose()`` racing ``start()`` (``_started`` / ``_close_requested``),
 ``BackgroundEngine`` close/cancel/queries from the engine thread and from
 other threads, the "other formats" warning at open, ``kvtier inspect``'s
-format line and "last written" time, ``kvtier remove``'s new messages,
+format line and "last written" time, ``kvtier remove``'s messages,
 ``KVLayout.from_tensors``' one-name-one-tensor rule, ``HostRegion.close``.
 
 Faults only through real seams: ``NVMeConfig.row_io_wrapper`` (a real backend
-underneath) and real filesystem entries. A test headed "Fixed bug" failed
-before its fix (a strict xfail until then); the others pin behaviour that held up.
+underneath) and real filesystem entries. A test headed "Regression" guards
+against a bug these once had; the others pin behaviour that holds.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class _GatedOpenClose(DelegatingRowIO):
         self.inner.close(handle)
 
 
-async def _store_one_row(root: Path, ns: str = "s7") -> kvtier.KVLayout:
+async def _store_one_row(root: Path, ns: str = "races") -> kvtier.KVLayout:
     layout, _ = _layout()
     async with kvtier.TransferEngine(layout, _cfg(layout, 4, _nvme(root, ns=ns))) as first:
         await first.store([kvtier.Chunk(key("k", 0), [0, 1])], durable=True)
@@ -111,8 +111,8 @@ async def _namespace_is_free(layout: kvtier.KVLayout, root: Path) -> bool:
     return True
 
 
-# Fixed bug: a second aclose() while start() releases after an aclose-abort returns at once
-# (state is already 'closed'), before the NVMe namespace lock is released
+# Regression: a second aclose() while start() releases after an aclose-abort does not return at
+# once (state is already 'closed'), before the NVMe namespace lock is released
 async def test_second_aclose_during_an_aborted_start_waits_for_the_namespace_lock(
     tmp_path: Path,
 ) -> None:
@@ -189,8 +189,8 @@ async def test_aclose_during_start_leaves_no_thread_slot_or_lock_behind(tmp_path
 # ====================================================================== BackgroundEngine
 
 
-# 1e10: a fixed bug. cancel(timeout=1e10) passed validation, cancelled the call, then
-# Future.result raised OverflowError (above threading.TIMEOUT_MAX): untyped, state changed
+# 1e10, a regression: cancel(timeout=1e10) must not pass validation, cancel the call, then have
+# Future.result raise OverflowError (above threading.TIMEOUT_MAX): untyped, state changed
 @pytest.mark.parametrize("timeout", [-1, float("nan"), True, "1", float("-inf"), 1e10])
 def test_background_cancel_with_a_bad_timeout_cancels_nothing(tmp_path: Path, timeout: Any) -> None:
     with _blocked_durable_store(tmp_path) as (bg, durable, slow):
@@ -266,8 +266,8 @@ def test_background_cancel_of_a_finished_future_returns_false_and_close_twice_re
 # ====================================================================== KVLayout
 
 
-# Fixed bug: _check_names_are_unique calls stride()/data_ptr() before the per-layer checks: two
-# sparse tensors under one name raise RuntimeError, not LayoutError
+# Regression: two sparse tensors under one name raise LayoutError, not RuntimeError
+# (_check_names_are_unique must not call stride()/data_ptr() before the per-layer checks)
 def test_one_name_for_two_sparse_tensors_is_a_layout_error() -> None:
     a = torch.zeros(4, 8).to_sparse()
     b = torch.ones(4, 8).to_sparse()
@@ -314,8 +314,8 @@ async def test_open_warning_skips_odd_entries_and_names_only_real_other_formats(
         old_name = old._nvme.directory.name
     odd = {
         "fifo-0123456789abcdef": "fifo",
-        "latin-0123456789abcdef": b'{"namespace": "s7", "x": "\xff"}',
-        "list-0123456789abcdef": b'["s7"]',
+        "latin-0123456789abcdef": b'{"namespace": "races", "x": "\xff"}',
+        "list-0123456789abcdef": b'["races"]',
         "deep-0123456789abcdef": b"[" * 100_000,
         "dir-0123456789abcdef": "dir",
         "empty-0123456789abcdef": b"",
@@ -347,15 +347,15 @@ async def test_open_warning_skips_odd_entries_and_names_only_real_other_formats(
     (message,) = _other_format_records(caplog)
     assert old_name in message
     assert not any(name in message for name in odd)
-    s7 = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("s7-"))
-    assert len(s7) == 2
-    assert folders_of(tmp_path, "s7") == s7
+    ours = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("races-"))
+    assert len(ours) == 2
+    assert folders_of(tmp_path, "races") == ours
     info = inspect_root(tmp_path)
     assert {n["directory"] for n in info["namespaces"]} >= {old_name, *odd}
 
 
-# Fixed bug: the open warning says a folder of another format is 'not used' while a live engine
-# holds it (other_formats never checks the lock, as inspect's lock_holder does)
+# Regression: the open warning does not say a folder of another format is 'not used' while a
+# live engine holds it (other_formats checks the lock, as inspect's lock_holder does)
 async def test_open_warning_does_not_call_a_live_engines_folder_unused(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -376,21 +376,21 @@ async def test_open_warning_does_not_call_a_live_engines_folder_unused(
 
 
 def test_other_formats_is_read_only_and_names_no_removing_folder(tmp_path: Path) -> None:
-    own = tmp_path / "s7-00000000000000aa"
-    gone = tmp_path / ".kvtier-removing-1-ab-s7-00000000000000bb"
-    for folder in (own, gone, tmp_path / "s7-00000000000000cc"):
+    own = tmp_path / "races-00000000000000aa"
+    gone = tmp_path / ".kvtier-removing-1-ab-races-00000000000000bb"
+    for folder in (own, gone, tmp_path / "races-00000000000000cc"):
         folder.mkdir()
-        (folder / "format.json").write_text(json.dumps({"namespace": "s7"}))
+        (folder / "format.json").write_text(json.dumps({"namespace": "races"}))
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
-    assert other_formats(tmp_path, own, "s7") == ["s7-00000000000000cc"]
-    assert other_formats(tmp_path / "missing", own, "s7") == []
+    assert other_formats(tmp_path, own, "races") == ["races-00000000000000cc"]
+    assert other_formats(tmp_path / "missing", own, "races") == []
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
 
 
 # ====================================================================== kvtier inspect
 
 
-# Fixed bug: kvtier inspect crashes (TypeError in _format_summary) on a format.json whose
+# Regression: kvtier inspect does not crash (TypeError in _format_summary) on a format.json whose
 # layout.groups or a group's layers is not a list; inspect reports garbage, never raises
 @pytest.mark.parametrize(
     "layout_json", [{"groups": 5}, {"groups": [{"group_id": 0, "layers": 7}]}, {"groups": True}]
@@ -436,7 +436,7 @@ def _tmpfs_root() -> Path | None:
     """A fresh folder on a filesystem that keeps a far-future mtime (tmpfs), or None."""
     if not os.path.isdir("/dev/shm"):
         return None
-    root = Path(tempfile.mkdtemp(prefix="kvtier-review-", dir="/dev/shm"))
+    root = Path(tempfile.mkdtemp(prefix="kvtier-far-future-mtime-", dir="/dev/shm"))
     probe = root / "probe"
     probe.write_bytes(b"")
     try:
@@ -451,8 +451,9 @@ def _tmpfs_root() -> Path | None:
     return root
 
 
-# Fixed bug: kvtier inspect crashes (OSError EOVERFLOW from time.gmtime in _format_summary) when
-# a file in a namespace folder has an mtime beyond the year range (tmpfs keeps it)
+# Regression: kvtier inspect does not crash (OSError EOVERFLOW from time.gmtime in
+# _format_summary) when a file in a namespace folder has an mtime beyond the year range (tmpfs
+# keeps it)
 def test_inspect_survives_a_far_future_modification_time() -> None:
     root = _tmpfs_root()
     if root is None:
@@ -475,8 +476,9 @@ def test_inspect_survives_a_far_future_modification_time() -> None:
 # ====================================================================== kvtier remove
 
 
-# Fixed bug: without --yes, kvtier remove asks 'Delete ROOT/LABEL and every row in it?' for a
-# folder that does not exist, and answering no hides the 'no folder' hint naming its folders
+# Regression: without --yes, kvtier remove does not ask 'Delete ROOT/LABEL and every row in it?'
+# for a folder that does not exist (answering no would hide the 'no folder' hint naming its
+# folders)
 async def test_remove_of_a_namespace_label_without_yes_says_no_folder(tmp_path: Path) -> None:
     await _store_one_row(tmp_path, ns="lbl")
     (folder,) = [p.name for p in tmp_path.iterdir() if p.name.startswith("lbl-")]
@@ -562,8 +564,9 @@ async def test_control_transfer_engine_hard_aclose_during_a_soft_aclose_drops_qu
         assert again.lookup([s1, s2, k3]) == [R.NVME, R.NVME, R.MISS]
 
 
-# Fixed bug: BackgroundEngine.close(hard=True) while a soft close() runs only waits for it
-# (_close_done); TransferEngine.aclose(hard=True) escalates and drops the queued rows
+# Regression: BackgroundEngine.close(hard=True) while a soft close() runs escalates and drops
+# the queued rows, as TransferEngine.aclose(hard=True) does, instead of only waiting for it
+# (_close_done)
 def test_background_hard_close_during_a_soft_close_drops_queued_rows(tmp_path: Path) -> None:
     layout, _ = _layout()
     s1, s2, k3 = key("s1", 0), key("s2", 0), key("k3", 0)

@@ -1,8 +1,8 @@
-"""Review of the NumPy copy path and the callback-driven job flow (commits 32ca4a6, f76e033).
+"""The NumPy copy path and the callback-driven job flow.
 
-Bugs found (all fixed since) are regression tests; the others are checks
-that held up (each can fail: wrong bytes, leaked slots/pins, hangs, copies
-still running after ``aclose``).
+Some tests guard against regressions; the others are checks of what holds
+(each can fail: wrong bytes, leaked slots/pins, hangs, copies still running
+after ``aclose``).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ async def test_multi_piece_layer_with_a_late_piece_starts_and_round_trips() -> N
     assert torch.equal(t[1, 4, :100], before[1, 2, :100])
 
 
-# pickle.dumps(OffloadKey(b"abc", 1)) written by kvtier at 449d75d (before the cached hash).
+# pickle.dumps(OffloadKey(b"abc", 1)) as written by a kvtier whose OffloadKey had no cached hash.
 _OLD_KEY_PICKLE = (
     b"\x80\x04\x950\x00\x00\x00\x00\x00\x00\x00\x8c\rkvtier._types\x94\x8c\nOffloadKey"
     b"\x94\x93\x94)\x81\x94]\x94(C\x03abc\x94K\x01eb."

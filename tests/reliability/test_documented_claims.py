@@ -1,4 +1,4 @@
-"""Review of documented claims (README "Using it", command line, "Guarantees"; docs/DESIGN.md).
+"""Documented claims (README "Using it", command line, "Guarantees"; docs/DESIGN.md).
 
 Each test names the claim it checks and where it is stated. A claim that does
 not hold is a strict xfail whose reason says how the code differs. Async tests
@@ -64,7 +64,7 @@ def _layout(t: dict[str, torch.Tensor]) -> kvtier.KVLayout:
 
 def _nvme(root: Path, **kw: Any) -> kvtier.NVMeConfig:
     kw.setdefault("capacity_bytes", 16 << 20)
-    kw.setdefault("namespace", "claims13")
+    kw.setdefault("namespace", "documented-claims")
     return kvtier.NVMeConfig(root=str(root), **kw)
 
 
@@ -169,7 +169,8 @@ def test_inspect_root_without_namespaces(tmp_path: Path) -> None:
     assert as_json.exit_code == 0, as_json.output
     data = json.loads(as_json.output)
     assert data["namespaces"] == []
-    assert set(data) == {"root", "namespaces"}
+    assert set(data) == {"root", "namespaces", "payloads_verified"}
+    assert data["payloads_verified"] is False
     assert Path(data["root"]) == tmp_path
 
 
@@ -1159,10 +1160,10 @@ def test_builtin_layouts_have_the_documented_groups() -> None:
 # "layers of one kind share KV cache groups, split to equal layer counts as
 # vLLM does". vLLM's rule (_get_kv_cache_groups_uniform_page_size): group size
 # = the smallest layer count, or the largest when below 1.25x the smallest; a
-# kind of n layers makes ceil(n / size) groups taking its layers in turn. The
-# review found the bench grouping by the gcd of the counts instead (13 full +
-# 12 sliding layers made 25 groups of one layer); fixed in session 13. The
-# expected groups below are worked out by hand from vLLM's rule.
+# kind of n layers makes ceil(n / size) groups taking its layers in turn, not
+# groups by the gcd of the counts (13 full + 12 sliding layers would make 25
+# groups of one layer). The expected groups below are worked out by hand from
+# vLLM's rule.
 
 
 @pytest.mark.parametrize(

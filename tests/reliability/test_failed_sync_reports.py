@@ -1,9 +1,9 @@
-"""Break-it review of the failed-fdatasync reports and the sequence-number jump (a4bab66).
+"""The failed-fdatasync reports and the sequence-number jump.
 
 Areas:
 
 * The keys a failed ``fdatasync`` drops (handed to the writer through
-  ``NVMeTier.on_sync_drop``; ``take_sync_drops`` when this review was written)
+  ``NVMeTier.on_sync_drop``)
   and how the engine's writer reports them (``flush``, ``make_durable``): keys
   rewritten since, cancelled flushes, concurrent flushes.
 * Which writes a failed ``fdatasync`` may have covered: written during it,
@@ -12,7 +12,7 @@ Areas:
   it does not, and what it does to the order of the rows at the next restart.
 
 Faults only through ``row_io_wrapper`` (a real backend underneath) or real
-files. A test headed "Fixed bug" was a strict xfail that failed before its fix.
+files. A test headed "Regression" guards against a bug the tier once had.
 """
 
 from __future__ import annotations
@@ -96,11 +96,11 @@ async def _cancelled_flush_whose_sync_fails(
 # ====================================================================== drops and their reports
 
 
-# Fixed bug: the drops of a failed fdatasync that no writer call was waiting for (the flush
-# that started it was cancelled) stayed in the tier; a durable store that rewrote the key took
-# them after its own good sync and raised NotDurableError for the key it had just written and
-# synced. The tier now hands each drop to the writer at once (NVMeTier.on_sync_drop), so a
-# later successful write of the key clears it.
+# Regression: the drops of a failed fdatasync that no writer call was waiting for (the flush
+# that started it was cancelled) do not stay in the tier, where a durable store that rewrote
+# the key would take them after its own good sync and raise NotDurableError for the key it
+# had just written and synced. The tier hands each drop to the writer at once
+# (NVMeTier.on_sync_drop), so a later successful write of the key clears it.
 async def test_durable_store_after_a_cancelled_flushs_failed_sync_rewrites_and_succeeds(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -115,8 +115,8 @@ async def test_durable_store_after_a_cancelled_flushs_failed_sync_rewrites_and_s
         assert tier.contains(k1.key)
 
 
-# Fixed bug (same cause): a later flush named a key that had been evicted, stored again and
-# written after the cancelled flush's failed sync.
+# Regression (same cause): a later flush does not name a key that was evicted, stored again
+# and written after the cancelled flush's failed sync.
 async def test_flush_after_a_cancelled_flushs_failed_sync_does_not_name_a_rewritten_key(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -136,8 +136,8 @@ async def test_flush_after_a_cancelled_flushs_failed_sync_does_not_name_a_rewrit
         assert tier.contains(k1.key)
 
 
-# Fixed bug (same cause, through BackgroundEngine.cancel(flush)): the durable store raised
-# NotDurableError for the key it had just rewritten and synced.
+# Regression (same cause, through BackgroundEngine.cancel(flush)): the durable store does not
+# raise NotDurableError for the key it has just rewritten and synced.
 def test_background_durable_store_after_a_cancelled_flush_rewrites_and_succeeds(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -271,11 +271,11 @@ async def test_aclose_after_a_cancelled_flushs_failed_sync_leaves_no_dropped_key
 # ====================================================================== what a failed sync covers
 
 
-# Fixed bug: a row whose bytes were written (pwritev returned) while the segment's fdatasync
-# ran, but that was published only after the sync had failed, was not dropped: _sync_once
-# dropped what was in _unsynced when the sync failed, and the row went there only at its
-# publication; the next good sync vouched for bytes the failed writeback may have lost. Now
-# write_batch fails a row whose segment had a failed sync while the row was written.
+# Regression: a row whose bytes were written (pwritev returned) while the segment's fdatasync
+# ran, but that is published only after the sync failed, is dropped too. _sync_once drops what
+# is in _unsynced when the sync fails, and the row goes there only at its publication, so the
+# next good sync would vouch for bytes the failed writeback may have lost; write_batch fails
+# a row whose segment had a failed sync while the row was written.
 async def test_row_written_during_the_failing_sync_and_published_after_it_is_dropped(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -307,8 +307,8 @@ async def test_row_written_during_the_failing_sync_and_published_after_it_is_dro
         await tier.close()
 
 
-# Fixed bug (same cause, engine level): flush() returned success for a key whose row was
-# written during another flush's failing fdatasync and published after it.
+# Regression (same cause, engine level): flush() does not return success for a key whose row
+# was written during another flush's failing fdatasync and published after it.
 async def test_flush_after_a_failed_sync_vouches_for_no_row_written_during_it(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -386,8 +386,9 @@ async def _key0_newest_row(root: pathlib.Path) -> tuple[pathlib.Path, int, int]:
     "mode",
     [
         "short",
-        "garble",  # Fixed bug: a trailer misread at open (checksum fails, bytes intact)
-        # freed its row without the sequence jump: the rewrite lost at the next restart
+        "garble",  # regression: a trailer misread at open (checksum fails, bytes intact)
+        # must not free its row without the sequence jump, or the rewrite loses at the next
+        # restart
     ],
 )
 async def test_trailer_lost_at_open_then_the_key_rewritten_a_restart_loads_the_new_bytes(

@@ -227,9 +227,9 @@ async def test_segment_growth_enospc_fails_its_rows_then_recovers(tmp_path) -> N
     gpu = Gpu()
     cs = chunks([f"g{i}" for i in range(6)])
     # Every growth fails until the flush: a step that does not fit is tried again as
-    # one row (session 13), and once more after another group's growth in flight
-    # ended (session 14). How many tries that takes depends on how the two groups'
-    # growths interleave, so the fault is switched off by hand, not counted out.
+    # one row, and once more after another group's growth in flight ends. How many
+    # tries that takes depends on how the two groups' growths interleave, so the
+    # fault is switched off by hand, not counted out.
     fault = KeyFault("allocate", "errno", err=errno.ENOSPC)
     wrap = Wrapper(fault)
     cfg = engine_config(gpu, 8, nvme_config(tmp_path, wrapper=wrap, grow_ahead=False))

@@ -1,19 +1,19 @@
-"""Adversarial review of commits 63aaa3b, 227efab, 962bde9, 362d3f2 and 8faca99.
+"""Lookups of unknown groups, the checksummed raw baselines, kvikio, the torch copy path.
 
-* ``lookup`` / ``prefix_hits`` raising ``UnknownGroupError`` (63aaa3b): no
+* ``lookup`` / ``prefix_hits`` raising ``UnknownGroupError``: no
   state change, valid keys around the bad one, ``BackgroundEngine``, closed
   engines, and the sibling query ``stored_range``.
-* ``kvtier bench``'s ``raw_checksummed`` baselines (227efab): the bytes they
+* ``kvtier bench``'s ``raw_checksummed`` baselines: the bytes they
   move, every request hashed exactly once, odd totals, requests larger than
   the total, one I/O thread, buffered/direct, posix/aio, pools shut down.
-* The kvikio adapter (962bde9) on a stand-in ``kvikio`` module (kvikio needs
+* The kvikio adapter on a stand-in ``kvikio`` module (kvikio needs
   a CUDA driver): EOF handling across iovecs, zero-length buffers, files that
   change size under a read, the errno mapping, kvikio's ``defaults`` APIs.
-* The torch copy path run on CPU tensors (362d3f2, 8faca99): multi-piece
+* The torch copy path run on CPU tensors: multi-piece
   pages, odd payload prefixes, several layers, aliases, partial and
   single-block chunks; round trips, slot bytes against the NumPy path (also
   through NVMe rows), and blocks that no chunk names.
-* ``HostRegion.prefault`` on a host without CUDA (362d3f2).
+* ``HostRegion.prefault`` on a host without CUDA.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ import pytest
 import torch
 
 import kvtier
-import kvtier.bench as bench
 from kvtier import errors
 from kvtier._slots import HostRegion
-from kvtier.bench import BenchConfig, _Baselines
+from kvtier.bench import BenchConfig, baselines
+from kvtier.bench.baselines import _Baselines
 from kvtier.errors import storage_error_kind
 from kvtier.io import KvikioRowIO, PosixRowIO
 from kvtier.io._aio import aio_supported
@@ -145,16 +145,16 @@ def test_background_engine_lookup_raises_unknown_group_and_stays_usable() -> Non
 
 
 async def test_stored_range_of_an_unknown_group_raises_like_lookup() -> None:
-    """Was a bug (fixed): ``stored_range`` said MISS for an unknown group after 63aaa3b.
+    """Regression: ``stored_range`` raises for an unknown group, not a MISS.
 
-    63aaa3b made ``lookup`` and ``prefix_hits`` raise ``UnknownGroupError``
-    for a key of a group the layout does not have ("such a key is a caller's
-    bug, not a miss"), as ``store``, ``load`` and ``prefetch`` do. The third
-    query, ``TransferEngine.stored_range`` (engine/_engine.py:1000-1020), only
-    checks the key's type and returns ``None`` (a MISS) for the same key, so
-    the same caller bug is reported by one query and hidden by the other.
-    Fix: call ``self.layout.group(key.group_id)`` in ``stored_range`` after
-    the isinstance check (and document UnknownGroupError there).
+    ``lookup`` and ``prefix_hits`` raise ``UnknownGroupError`` for a key of a
+    group the layout does not have ("such a key is a caller's bug, not a
+    miss"), as ``store``, ``load`` and ``prefetch`` do. The third query,
+    ``TransferEngine.stored_range``, must not only check the key's type and
+    return ``None`` (a MISS) for the same key, or the same caller bug is
+    reported by one query and hidden by the other: it calls
+    ``self.layout.group(key.group_id)`` after the isinstance check (and
+    documents UnknownGroupError).
     """
     layout, _ = _one_group_layout()
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(4 << 20, 2)) as engine:
@@ -185,7 +185,7 @@ def hashed(monkeypatch: pytest.MonkeyPatch) -> _Hashed:
             rec.calls.append((value, memoryview(view).nbytes))
         return value
 
-    monkeypatch.setattr(bench, "payload_checksum", counting)
+    monkeypatch.setattr(baselines, "payload_checksum", counting)
     return rec
 
 
@@ -273,23 +273,23 @@ def test_bench_close_shuts_down_its_io_and_hash_pools(tmp_path: Path) -> None:
 
 
 def test_checksummed_raw_write_writes_its_bytes_under_python_dash_o(tmp_path: Path) -> None:
-    """Was a bug (fixed): under ``python -O`` the raw baselines did no I/O at all.
+    """Regression: under ``python -O`` the raw baselines do their I/O.
 
-    ``_Baselines._sequential`` (engine/bench.py:292, :303) issues every
-    request inside an ``assert``: ``assert op(h, [...], off) == size`` on the
-    posix path and ``assert fut.result() == sizes[i]`` on the aio path.
-    ``-O`` strips asserts, so the posix write/read is never made (the file
-    stays zeros while ``raw_write`` reports a time and the ``raw_checksummed``
-    write still hashes every request), and on the aio path the read's hashes
-    are submitted before the reads completed. ``files_write``/``files_read``
-    do the same. 227efab rewrote these lines and kept the pattern. Fix: call
-    first, then check: ``done = op(...); if done != size: raise OSError(...)``
-    (same for ``fut.result()``).
+    ``_Baselines._sequential`` (engine/bench/baselines.py) must not issue a request
+    inside an ``assert`` (``assert op(h, [...], off) == size`` on the posix
+    path, ``assert fut.result() == sizes[i]`` on the aio path; the same in
+    ``files_write``/``files_read``): ``-O`` strips asserts, so the posix
+    write/read would never be made (the file stays zeros while ``raw_write``
+    reports a time and the ``raw_checksummed`` write still hashes every
+    request), and on the aio path the read's hashes would be submitted before
+    the reads completed. It calls first, then checks: ``done = op(...); if
+    done != size: raise OSError(...)`` (the same for ``fut.result()``).
     """
     script = textwrap.dedent(
         f"""
         import os, sys
-        from kvtier.bench import BenchConfig, _Baselines
+        from kvtier.bench import BenchConfig
+        from kvtier.bench.baselines import _Baselines
         cfg = BenchConfig(io_backend="posix", direct_io="off", request_nbytes=8192, io_threads=2)
         base = _Baselines(cfg, {str(tmp_path)!r}, 5 * 4096, 4096, 1)
         base.buf.tensor[: base.total] = 7
@@ -410,17 +410,16 @@ def test_kvikio_direct_read_cut_at_an_unaligned_eof(kvikio: StandInKvikio, tmp_p
 def test_kvikio_zero_length_iovec_does_not_end_the_request(
     kvikio: StandInKvikio, tmp_path: Path
 ) -> None:
-    """Was a bug (fixed, a regression in 962bde9): a zero-length buffer ended the request.
+    """Regression: a zero-length buffer does not end the request.
 
-    ``_each_buffer`` (io/_rowio.py:285-287) computes ``want`` (the bytes to
-    ask of this buffer) and ``break``s when it is 0. That is meant for a read
-    that reached the end of the file, but it also fires for a zero-length
-    buffer, for writes as well as reads: ``pwritev(h, [a, b"", c], 0)``
-    writes ``a`` only and returns ``len(a)``, which the caller takes for a
-    short (failed) write; ``preadv`` likewise leaves ``c`` unread. POSIX
-    ``pwritev``/``preadv`` (and this function before 962bde9, which called
-    kvikio with 0 bytes and went on) skip an empty iovec. Fix: ``continue``
-    when ``nbytes == 0``; break only when ``limit`` cut ``want`` to 0.
+    ``_each_buffer`` (io/_rowio.py) computes ``want`` (the bytes to ask of
+    this buffer). Breaking when it is 0 is meant for a read that reached the
+    end of the file; it must not fire for a zero-length buffer, for writes as
+    well as reads, or ``pwritev(h, [a, b"", c], 0)`` writes ``a`` only and
+    returns ``len(a)``, which the caller takes for a short (failed) write,
+    and ``preadv`` likewise leaves ``c`` unread. POSIX ``pwritev``/``preadv``
+    skip an empty iovec, and so does the adapter: it goes on when
+    ``nbytes == 0`` and breaks only when ``limit`` cut ``want`` to 0.
     """
     results = {}
     for io in (PosixRowIO(False), KvikioRowIO(False, 2)):
@@ -567,20 +566,20 @@ def test_kvikio_25_04_defaults_set_raises_the_pool_and_never_lowers(
 
 
 def test_kvikio_25_02_thread_pool_is_raised_to_io_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Was a bug (fixed): on older kvikio the pool was never raised (the call was a no-op).
+    """Regression: on older kvikio the pool is raised (a no-op call left it at 1 thread).
 
-    ``_raise_kvikio_threads`` (io/_rowio.py:322-324) uses
+    ``_raise_kvikio_threads`` (io/_rowio.py) must not use
     ``defaults.set_num_threads(threads)`` when ``get_num_threads`` exists.
     In every kvikio that has ``get_num_threads`` (before the ``get``/``set``
     API, whose deprecation notices say ``since="25.04"``; 25.02 is admitted
     by ``kvikio-cu12>=25.2`` in pyproject.toml) ``set_num_threads`` is a
     ``@contextlib.contextmanager`` (python/kvikio/kvikio/defaults.py):
     calling it without ``with`` only builds a generator and changes nothing,
-    so the pool stays at kvikio's 1 thread and the tier's ``io_threads``
-    requests run one at a time. The stand-in of
+    so the pool would stay at kvikio's 1 thread and the tier's ``io_threads``
+    requests would run one at a time. The stand-in of
     tests/io/test_kvikio_adapter.py models ``set_num_threads`` as a plain
-    setter, so the suite passes. Fix: call ``defaults.num_threads_reset(threads)``
-    on that API (it is the setter there).
+    setter, so only this test catches it. On that API the adapter calls
+    ``defaults.num_threads_reset(threads)`` (it is the setter there).
     """
     defaults = defaults_2502({"num_threads": 1})
     monkeypatch.setitem(sys.modules, "kvikio", StandInKvikio(defaults))
@@ -599,7 +598,7 @@ class _Case:
     block_dim: dict[str, int]
     payload: dict[str, int]
     bpc: int
-    staged: bool  # some layer has several pieces per page (staged alone before session 15)
+    staged: bool  # some layer has several pieces per page
 
     def __post_init__(self) -> None:
         self.pristine = {n: t.clone() for n, t in self.flat()}
@@ -747,7 +746,7 @@ async def _run(
     """Store the chunks, capture their slots, scribble, load them into other blocks, check.
 
     Returns the slot images and how many copies went through the torch path's
-    device buffer (``_staged_copy``, every torch copy since session 15).
+    device buffer (``_staged_copy``, which every torch copy goes through).
     """
     import kvtier._transfer as transfer
 

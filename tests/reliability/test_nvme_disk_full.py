@@ -1,6 +1,6 @@
-"""Break-it review: a filesystem full below ``capacity_bytes`` (5c20b25, session 13).
+"""A filesystem full below ``capacity_bytes``.
 
-The change: when a group's segments cannot grow because the filesystem is full
+When a group's segments cannot grow because the filesystem is full
 (ENOSPC, EDQUOT), a new row takes the row of its group's least recently used
 evictable key (not pinned by a read in flight, not a key of the same
 ``write_rows`` call) and overwrites it in place (``RowIndex.evict_own``, called
@@ -16,7 +16,8 @@ runs the child). A "crash" in-process is a copy of the namespace folder taken
 while the tier is live: the files as the page cache holds them, which is what
 a SIGKILL leaves (and on tmpfs, all there is).
 
-A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug.
+A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; a comment
+headed "Regression" names a bug the tier once had.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def _kw(root: pathlib.Path | str, groups: Mapping[int, int] = G, **over: Any) ->
 
 
 def _key(i: int | str, group_id: int) -> OffloadKey:
-    return OffloadKey(f"df13-{i}".encode(), group_id)
+    return OffloadKey(f"disk-full-{i}".encode(), group_id)
 
 
 def _tag(k: OffloadKey) -> bytes:
@@ -274,18 +275,18 @@ def _kinds(results: Sequence[BaseException | None]) -> list[str | None]:
     return [None if r is None else getattr(r, "kind", type(r).__name__) for r in results]
 
 
-# ====================================================================== bugs
+# =============================================================== regressions
 
 
-# Fixed in session 14 (was a strict xfail): a free row whose blocks were punched (the tier went
-# past its disk budget) was handed to a write while another tenant had filled the filesystem:
-# the pwritev into the hole failed with ENOSPC, the key failed with 'enospc', the failed row
-# was punched again and stayed the group's lowest free row, so EVERY later write of that group
-# failed the same way although the group had evictable keys. Now a write takes a free row that
-# holds its blocks first, and a punched one only after allocating its blocks (posix_fallocate
-# of the row), which on a full filesystem fails first: the write then takes the row of its
-# group's least recently used key
-async def test_bug_a_punched_free_row_on_a_full_filesystem_fails_every_write_of_its_group(
+# Regression: a free row whose blocks were punched (the tier went past its disk budget) must
+# not be handed to a write while another tenant has filled the filesystem: the pwritev into the
+# hole would fail with ENOSPC, the key with 'enospc', and the failed row, punched again, would
+# stay the group's lowest free row, so EVERY later write of that group would fail the same way
+# although the group has evictable keys. A write takes a free row that holds its blocks first,
+# and a punched one only after allocating its blocks (posix_fallocate of the row), which on a
+# full filesystem fails first: the write then takes the row of its group's least recently
+# used key
+async def test_a_punched_free_row_on_a_full_filesystem_fails_no_write_of_its_group(
     tmpfs, slots
 ) -> None:
     mnt = tmpfs(1 << 20)
@@ -325,13 +326,13 @@ async def test_bug_a_punched_free_row_on_a_full_filesystem_fails_every_write_of_
     assert got == [None] * 6
 
 
-# Fixed in session 13 (was a strict xfail): disk-full evictions start while a whole growth step
-# minus one row is still free on the filesystem: _take_row treats the first failed growth of a
-# full step (plan_growth asks for grow_rows rows, up to 128 MiB) as 'the filesystem is full' and
-# evicts, and never tries a smaller step. On a 7 MiB tmpfs with 2 MiB segments the tier evicts
-# with 1 MiB (15%, 128 rows) free. Expected: growth falls back to fewer rows (down to one)
-# before evicting a key
-async def test_bug_disk_full_evictions_start_with_most_of_a_growth_step_still_free(
+# Regression: disk-full evictions must not start while a whole growth step minus one row is
+# still free on the filesystem: _take_row must not treat the first failed growth of a full step
+# (plan_growth asks for grow_rows rows, up to 128 MiB) as 'the filesystem is full' and evict
+# without trying a smaller step (on a 7 MiB tmpfs with 2 MiB segments the tier would evict
+# with 1 MiB, 15%, 128 rows, free). Growth falls back to fewer rows (down to one) before
+# evicting a key
+async def test_growth_falls_back_to_fewer_rows_before_disk_full_evictions_start(
     tmpfs, slots
 ) -> None:
     mnt = tmpfs(7 << 20)
@@ -345,13 +346,13 @@ async def test_bug_disk_full_evictions_start_with_most_of_a_growth_step_still_fr
     assert free < 4 * ROW[MID], f"evicting with {free} bytes ({free // ROW[MID]} rows) free"
 
 
-# Fixed in session 14 (was a strict xfail): a tier at capacity_bytes on a full filesystem evicted
-# TWO keys for one new row: reserve() evicted the global LRU key (another group's: its row became
-# a free row of that group, useless to the writer), then the writer's group could not grow and
-# evict_own also took its own group's LRU key. Now a writer whose group has no row at hand
-# reserves room only after its growth (RowIndex.reserve(evict_others=False)); on a full
-# filesystem it takes its own group's LRU key alone
-async def test_bug_full_tier_on_a_full_filesystem_evicts_two_keys_for_one_row(
+# Regression: a tier at capacity_bytes on a full filesystem evicts one key for one new row, not
+# TWO (reserve() evicting the global LRU key, another group's, whose row becomes a free row of
+# that group, useless to the writer; then, the writer's group unable to grow, evict_own also
+# taking its own group's LRU key). A writer whose group has no row at hand reserves room only
+# after its growth (RowIndex.reserve(evict_others=False)); on a full filesystem it takes its
+# own group's LRU key alone
+async def test_a_full_tier_on_a_full_filesystem_evicts_one_key_of_its_own_group_for_one_row(
     tmp_path, slots
 ) -> None:
     holder: list[_Rig] = []
@@ -381,14 +382,14 @@ async def test_bug_full_tier_on_a_full_filesystem_evicts_two_keys_for_one_row(
     assert st["evictions"] == 1
 
 
-# Fixed in session 13 (was a strict xfail): on ext4 a growth step that fails with ENOSPC
-# (posix_fallocate past the free space) leaves the segment file extended by the blocks it did
-# get (i_size too), but the index abandons the growth: those rows hold disk blocks no one uses
-# while the tier evicts keys (here 32 rows of 8 KiB, stats bytes_allocated < the file's rows),
-# later growths of the same file fail again, and a reopen counts the row the failed growth cut
-# in the middle as invalid (invalid_rows_at_open=1, the sequence numbers jump). Expected: a
+# Regression: on ext4 a growth step that fails with ENOSPC (posix_fallocate past the free
+# space) leaves the segment file extended by the blocks it did get (i_size too). The index
+# must not just abandon the growth: those rows would hold disk blocks no one uses while the
+# tier evicts keys (here 32 rows of 8 KiB, stats bytes_allocated < the file's rows), later
+# growths of the same file would fail again, and a reopen would count the row the failed
+# growth cut in the middle as invalid (invalid_rows_at_open=1, the sequence numbers jump). A
 # failed growth gives its blocks back (or the rows it got are used) before a key is evicted
-async def test_bug_a_failed_growth_on_ext4_keeps_blocks_the_tier_never_uses(ext4, slots) -> None:
+async def test_a_failed_growth_on_ext4_keeps_no_blocks_the_tier_never_uses(ext4, slots) -> None:
     mnt = ext4(8 << 20)
     root = mnt / "nvme"
     kw = _kw(root, {MID: G[MID]}, capacity_bytes=8 << 20, segment_nbytes=64 << 20)
@@ -407,13 +408,13 @@ async def test_bug_a_failed_growth_on_ext4_keeps_blocks_the_tier_never_uses(ext4
     assert st["invalid_rows_at_open"] == 0
 
 
-# Fixed in session 13 (was a strict xfail): a tier that kept working on a full filesystem cannot
-# be reopened with direct_io='on' (ConfigError: 'O_DIRECT does not work'): open() probes
-# O_DIRECT by writing a new 4 KiB file, which fails with ENOSPC; with direct_io='auto' the
-# restarted tier silently falls back to buffered I/O (direct_io_fallback=1) and io_backend='aio'
-# cannot open at all. Expected: a full filesystem changes nothing at open (e.g. probe on an
-# existing segment, or tell ENOSPC from 'O_DIRECT fails')
-async def test_bug_a_full_filesystem_cannot_be_reopened_with_direct_io(ext4, slots) -> None:
+# Regression: a tier that kept working on a full filesystem can be reopened with
+# direct_io='on'. Were O_DIRECT probed by writing a new 4 KiB file, which fails with ENOSPC,
+# open() would raise ConfigError ('O_DIRECT does not work'), with direct_io='auto' the
+# restarted tier would silently fall back to buffered I/O (direct_io_fallback=1), and
+# io_backend='aio' could not open at all. A full filesystem changes nothing at open (e.g.
+# probe on an existing segment, or tell ENOSPC from 'O_DIRECT fails')
+async def test_a_full_filesystem_reopens_with_direct_io(ext4, slots) -> None:
     mnt = ext4(8 << 20)
     root = mnt / "nvme"
     kw = _kw(root, {MID: G[MID]}, capacity_bytes=64 << 20, segment_nbytes=1 << 20)

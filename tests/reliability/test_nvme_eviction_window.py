@@ -1,12 +1,11 @@
-"""Break-it review of the NVMe tier's eviction window (0aa2ca8, d3246fc, 7375a1c).
+"""The NVMe tier's eviction window.
 
-The change: a full tier evicts the least recently used key of the writer's
-own group, instead of the least recently used key, when that key is among
-the first ``window = min(eviction_window, len(lru) // 32)`` evictable keys,
-and hands its row to the writer, who overwrites it in place (0aa2ca8); a write
-batch publishes its keys in call order (d3246fc); ``kvtier bench``'s full-tier
-leg checks only the new keys still on NVMe and reloads the others from the
-fresh-tier leg's tier (7375a1c).
+A full tier evicts the least recently used key of the writer's own group,
+instead of the least recently used key, when that key is among the first
+``window = min(eviction_window, len(lru) // 32)`` evictable keys, and hands
+its row to the writer, who overwrites it in place; a write batch publishes
+its keys in call order; ``kvtier bench``'s full-tier leg checks only the new
+keys still on NVMe and reloads the others from the fresh-tier leg's tier.
 
 Faults only through ``row_io_wrapper`` (RowIO wrappers) and real subprocesses
 (``python -m tests.reliability.test_nvme_eviction_window crash ROOT LOG KNOWN`` runs
@@ -14,7 +13,8 @@ a child that writes forever until the test SIGKILLs it). The existing suites
 fill tiers of fewer than 64 keys almost everywhere, where the window collapses
 to strict LRU: the tests here use 64 keys and more.
 
-A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug.
+A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; a test headed
+"Regression" guards against a bug the tier once had.
 """
 
 from __future__ import annotations
@@ -352,7 +352,7 @@ async def test_below_64_keys_a_full_tier_is_strict_lru_from_64_it_takes_its_own_
     63 keys: strict LRU evicts the group-1 key (too small) and the oldest
     group-0 key (whose row the writer gets). 64 keys: the window (2) takes the
     group-0 key alone; the group-1 key stays. The fill's calls mix groups: the
-    LRU follows the call order (d3246fc). Reopened: the evicted keys are gone,
+    LRU follows the call order. Reopened: the evicted keys are gone,
     the rest load their own bytes.
     """
     buf = slots(8)
@@ -499,18 +499,19 @@ async def _evict_by_a_failed_write(
 async def test_a_key_evicted_for_a_write_that_fails_does_not_come_back_after_a_crash(
     tmp_path, slots
 ) -> None:
-    """Fixed bug (0aa2ca8 made it the common path): a key evicted for a write that then
-    failed kept its trailer until the NEXT write batch or close (fail_write only marks its
-    row stale), so after the batch and a flush a crash brought the evicted key back; a
-    row evicted for another group is blanked in the evicting batch whatever the write
-    does. write_batch now blanks stale rows before it returns.
+    """Regression (a common path with the window, where a writer takes its own group's
+    row): a key evicted for a write that then fails must not keep its trailer until the
+    NEXT write batch or close (fail_write only marks its row stale), or after the batch
+    and a flush a crash brings the evicted key back; a row evicted for another group is
+    blanked in the evicting batch whatever the write does. write_batch blanks stale rows
+    before it returns.
 
     GUARANTEES.md: "a key evicted from NVMe does not come back (the writer overwrites
     its own group's evicted row in the same write; another group's row has its trailer
     zeroed in the write batch that evicted it)". The same call and crash under strict LRU
     (eviction_window=1: J's victim is key 0, of another group) holds; with the window
     (J's victim is key 1, its own group's, handed over to be overwritten in place) the
-    write fails, nothing blanks key 1's row before the crash, and key 1 is back."""
+    write fails, and key 1's row must be blanked before the crash, or key 1 is back."""
     buf = slots(8)
     evicted, found = await _evict_by_a_failed_write(tmp_path / "strict", buf, 1)
     assert evicted == {key(0, 0), key(1, 1)}  # evicted for J and N: both blanked
@@ -924,15 +925,14 @@ def test_bench_full_tier_leg_fails_on_one_corrupt_payload(tmp_path, monkeypatch)
 
 
 def test_bench_full_tier_leg_fails_on_one_corrupt_trailer(tmp_path, monkeypatch) -> None:
-    """Fixed bug (7375a1c): the full-tier check counted any new key missing at reopen as
-    'evicted' and reloaded its chunk from the nvme_write leg's tier, so a row written with
-    a corrupt trailer (its key gone at open) passed the bench. The check now requires
-    exactly the new keys the live tier held, and no invalid row at open.
+    """Regression: the full-tier check requires exactly the new keys the live tier held,
+    and no invalid row at open. Counting any new key missing at reopen as 'evicted' and
+    reloading its chunk from the nvme_write leg's tier let a row written with a corrupt
+    trailer (its key gone at open) pass the bench.
 
     20 chunks of one group (window collapsed: strict LRU evicts no new key); one row
-    written with its trailer's magic flipped. Before 7375a1c the check required every
-    new key on NVMe ('bench rows of the full tier missing on NVMe'); now the missing key
-    counts as new_keys_evicted (1 <= 20 // 10) and the run reports a figure."""
+    written with its trailer's magic flipped. Counted as new_keys_evicted (1 <= 20 // 10),
+    the missing key would let the run report a figure; the bench must fail instead."""
     detected, hits = _bench_full_tier_rot(tmp_path, monkeypatch, "trailer")
     assert len(hits) == 1
     assert detected

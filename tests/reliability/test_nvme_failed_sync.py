@@ -1,4 +1,4 @@
-"""Break-it review of today's NVMe durability fixes (failed fdatasync drops, begin_write, scan).
+"""NVMe durability: failed fdatasync drops, begin_write, the scan at open.
 
 Areas:
 
@@ -11,7 +11,7 @@ Areas:
 * ``kvtier bench`` progress bar and ``kvtier inspect``'s no-valid-rows line.
 
 Faults only through ``row_io_wrapper`` (a real backend underneath) or real
-files. A test headed "Fixed bug" was a strict xfail that failed before its fix.
+files. A test headed "Regression" guards against a bug the tier once had.
 """
 
 from __future__ import annotations
@@ -96,10 +96,10 @@ async def _tier(root: pathlib.Path, **over: Any) -> NVMeTier:
 # ====================================================================== failed fdatasync
 
 
-# Fixed bug: a key published in a segment while its fdatasync runs and then fails stays on NVMe
-# (only keys published before the sync began are dropped), and the next good sync vouches for it
-# though the failed fdatasync may have covered its pages (_tier.py _sync_once pops _unsynced
-# when the sync starts)
+# Regression: a key published in a segment while its fdatasync runs and then fails is dropped
+# too, not only keys published before the sync began; otherwise the next good sync would vouch
+# for it though the failed fdatasync may have covered its pages (_tier.py _sync_once must not
+# pop _unsynced when the sync starts)
 async def test_key_written_while_the_failing_sync_runs_is_dropped_too(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -155,9 +155,10 @@ async def gated_engine(
         yield gpu, engine, _nvme(engine), io, chunks(list(tags), group_id=0)
 
 
-# Fixed bug: store(durable=True) returns success while one of its keys was dropped from NVMe by
-# another caller's failed fdatasync (_writeback.py make_durable checks nothing after tier.flush)
-async def test_durable_store_whose_skipped_key_a_concurrent_failed_sync_dropped_succeeds(
+# Regression: store(durable=True) does not return success while one of its keys was dropped
+# from NVMe by another caller's failed fdatasync (_writeback.py make_durable checks after
+# tier.flush)
+async def test_durable_store_whose_skipped_key_a_concurrent_failed_sync_dropped_does_not_succeed(
     tmp_path: pathlib.Path,
 ) -> None:
     holder = SyncHolder()
@@ -189,10 +190,10 @@ async def test_durable_store_whose_skipped_key_a_concurrent_failed_sync_dropped_
         assert tier.contains(k1.key), "store(durable=True) returned but k1 is not on NVMe"
 
 
-# Fixed bug: a key dropped by a failed fdatasync that only another caller (a durable store) saw
-# is never named: the next flush() returns as if every key stored before it were durable (the
-# tier's drops never reach NVMeWriter._failed)
-async def test_flush_after_another_callers_failed_sync_names_no_dropped_key(
+# Regression: a key dropped by a failed fdatasync that only another caller (a durable store)
+# saw is named by the next flush(), which does not return as if every key stored before it
+# were durable (the tier's drops reach NVMeWriter._failed)
+async def test_flush_after_another_callers_failed_sync_names_the_dropped_key(
     tmp_path: pathlib.Path,
 ) -> None:
     holder = SyncHolder()
@@ -228,10 +229,10 @@ def _rows_of(path: pathlib.Path) -> dict[int, tuple[bytes, int]]:
     return out
 
 
-# Fixed bug: a row whose trailer was unreadable at open becomes free with its trailer and its
-# (unknown, higher) seq left on disk; the key rewritten with new bytes gets a lower seq and
-# loses to the old row at the next restart: a load returns the older bytes (_files.py
-# scan_segment / RowIndex.rebuild)
+# Regression: a row whose trailer was unreadable at open becomes free with its trailer and its
+# (unknown, higher) seq left on disk; the key rewritten with new bytes must not get a lower
+# seq and lose to the old row at the next restart, where a load would return the older bytes
+# (_files.py scan_segment / RowIndex.rebuild)
 async def test_unreadable_trailer_at_open_then_the_key_rewritten_a_restart_loads_the_new_bytes(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -249,7 +250,7 @@ async def test_unreadable_trailer_at_open_then_the_key_rewritten_a_restart_loads
     old_seq = rows[old_row][1]
 
     def wrap(inner: RowIO) -> RowIO:
-        io = GateIO(inner)  # session 2 cannot read key 0's trailer
+        io = GateIO(inner)  # the second open cannot read key 0's trailer
         io.scan_read_error_at = 4096 + old_row * ROW0 + (ROW0 - TRAILER_NBYTES)
         return io
 
@@ -635,8 +636,8 @@ async def test_a_segment_whose_header_read_fails_is_skipped_and_its_number_never
         await tier.close()
 
 
-# Fixed bug: a short trailer read at open frees the row silently: not counted in
-# invalid_rows_at_open (an EIO on the same read is), though the row's key is lost
+# Regression: a short trailer read at open does not free the row silently: it counts in
+# invalid_rows_at_open (as an EIO on the same read does), since the row's key is lost
 async def test_a_short_trailer_read_at_open_counts_the_row_invalid(
     tmp_path: pathlib.Path,
 ) -> None:

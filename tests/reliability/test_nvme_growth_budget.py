@@ -1,8 +1,8 @@
-"""Break-it review of growth by held rows (1b3a6c7) and the batch-end reclaim (ec16ddc).
+"""Growth by held rows and the batch-end reclaim.
 
-1b3a6c7: ``RowIndex.plan_growth`` and ``wants_growth`` measure room as
-``disk_budget_nbytes - held_nbytes`` (punched rows leave room) instead of
-``disk_budget_nbytes - allocated_nbytes``. ec16ddc: ``write_batch`` ends with
+Growth by held rows: ``RowIndex.plan_growth`` and ``wants_growth`` measure room as
+``disk_budget_nbytes - held_nbytes`` (punched rows leave room), not
+``disk_budget_nbytes - allocated_nbytes``. The batch-end reclaim: ``write_batch`` ends with
 ``await reclaim(tier)`` when stale rows exist, so a row evicted for a write
 that failed is blanked before the batch returns.
 
@@ -15,8 +15,8 @@ cannot punch). Row writes whose trailer names a key can fail with EIO.
 Disk blocks are ``st_blocks`` of the segment files minus one 4 KiB header per
 file, allowing one 4 KiB ext4 extent-index block per file.
 
-A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; "Fixed bug" tests
-were such xfails, and fail on the code before their fix.
+A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; a "Regression" test
+guards against a bug the tier once had.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ async def _write_all(tier: NVMeTier, buf: Slots, keys: Sequence[OffloadKey], per
     await tier.flush()
 
 
-# ====================================================================== 1b3a6c7: what holds
+# ========================================================== growth by held rows: what holds
 
 
 @pytest.mark.parametrize("grow_ahead", [True, False])
@@ -213,8 +213,8 @@ async def test_reopen_counts_punched_rows_as_holes_and_grows_a_new_group_in_whol
     """After a shift from group 0 to group 2 and a close, the scan maps the holes.
 
     The index's held rows match the blocks the files hold, and the first
-    write of group 1 grows a whole step (the point of 1b3a6c7), staying
-    within the budget.
+    write of group 1 grows a whole step (the point of growth by held rows),
+    staying within the budget.
     """
     kw = tier_kwargs(tmp_path, capacity_bytes=24 * ROW[0], grow_ahead=False)
     tier = NVMeTier(**kw)
@@ -232,7 +232,7 @@ async def test_reopen_counts_punched_rows_as_holes_and_grows_a_new_group_in_whol
     assert blocks - EXTENT_BLOCK * files <= index.held_nbytes <= blocks
     assert index.held_nbytes < index.allocated_nbytes  # the holes were found
     step = index._grow_rows[1]
-    # counting allocated rows (before 1b3a6c7) there is no room for a step; held rows leave it
+    # counting allocated rows there would be no room for a step; held rows leave it
     assert (index.disk_budget_nbytes - index.allocated_nbytes) // ROW[1] < step
     assert (index.disk_budget_nbytes - index.held_nbytes) // ROW[1] >= step
     assert await tier.write_rows(_rows(buf, [key(300, 1)])) == [None]
@@ -249,7 +249,7 @@ async def test_punching_unsupported_leaves_no_punched_rows_and_grows_one_row_pas
     """A backend that cannot punch: ``_can_punch`` turns False, no row counts as punched.
 
     Growth past the budget then takes one row at a time (held equals
-    allocated, as before 1b3a6c7), and every write succeeds.
+    allocated), and every write succeeds.
     """
     holder: list[_PunchRig] = []
     tier = NVMeTier(
@@ -315,29 +315,29 @@ async def test_failed_punches_never_raise_and_the_tier_recovers_within_the_budge
     assert blocks <= index.disk_budget_nbytes + EXTENT_BLOCK * files
 
 
-# ====================================================================== 1b3a6c7: bugs
+# ========================================================= growth by held rows: regressions
 
 
 async def test_growth_during_an_in_flight_punch_does_not_grow_past_the_budget(
     tmp_path, slots
 ) -> None:
-    """Fixed bug (from 1b3a6c7): growth planned into room that an in-flight punch only
-    promised (take_to_punch/mark_punched count rows as punched before the I/O): while
-    the files were over the budget, another group grew a whole step instead of one
-    row. Growth now plans against RowIndex.growth_held_nbytes.
+    """Regression: growth is not planned into room that an in-flight punch only promised
+    (take_to_punch/mark_punched count rows as punched before the I/O): while the files
+    are over the budget, another group must not grow a whole step instead of one row.
+    Growth plans against RowIndex.growth_held_nbytes.
 
     Reopen with a smaller capacity: 48 rows of group 0 are evicted (stale), over budget.
 
     The first write's reclaim counts them all as punched before its
     ``fallocate(PUNCH_HOLE)`` (held here) runs. Meanwhile a group-1 write
-    grew its first segment: the files were far over the budget (the stale
-    rows still held their blocks), yet it planned a whole step (10 rows), not
-    one row as growth past the budget does (before 1b3a6c7 it planned one).
-    Since session 12 a write batch waits for the reclaims in flight before it
-    writes (``settle_evictions``), so the group-1 write does not grow at all
-    until the punch has run; the index-level rule is also checked by the
-    RowIndex state machine in tests/io/test_index.py. (Until session 13 this
-    test passed only once the held punch timed out after 30 s.)
+    would grow its first segment while the files are far over the budget (the
+    stale rows still hold their blocks), and must not plan a whole step (10
+    rows) rather than one row as growth past the budget does. A write batch
+    waits for the reclaims in flight before it writes (``settle_evictions``),
+    so the group-1 write does not grow at all until the punch has run; the
+    index-level rule is also checked by the RowIndex state machine in
+    tests/io/test_index.py. The test passes without waiting for the held
+    punch to time out (30 s).
     """
     buf = slots(8)
     kw = tier_kwargs(tmp_path, capacity_bytes=96 * ROW[0], grow_ahead=False, segment_nbytes=8 << 20)
@@ -364,8 +364,8 @@ async def test_growth_during_an_in_flight_punch_does_not_grow_past_the_budget(
         await _until(rig.held)  # 48 stale rows count as punched; their blocks are still there
         over, _ = _disk(tier.directory)
         assert over > budget
-        # Since session 12 a write batch settles the evictions in flight (waits for
-        # the held punch) before it writes, and so before it grows: the group-1
+        # A write batch settles the evictions in flight (waits for the held
+        # punch) before it writes, and so before it grows: the group-1
         # write must not grow while the files are over the budget and the punch
         # is only promised.
         b = asyncio.ensure_future(tier.write_rows(_rows(buf, [key(600, 1)], 1)))
@@ -384,16 +384,15 @@ async def test_growth_during_an_in_flight_punch_does_not_grow_past_the_budget(
 
 
 async def test_evicted_key_stays_gone_after_a_failed_punch_and_a_restart(tmp_path, slots) -> None:
-    """Fixed bug: a failed fallocate(PUNCH_HOLE) (EIO) left the evicted key's trailer:
-    blank_rows raised before it zeroed the trailer, so the key came back after a
-    restart. blank_rows now zeroes the trailers of the failed row and the rest, then
-    raises the punch's error.
+    """Regression: a failed fallocate(PUNCH_HOLE) (EIO) does not leave the evicted key's
+    trailer: blank_rows zeroes the trailers of the failed row and the rest, then raises
+    the punch's error, so the key does not come back after a restart.
 
     Over the budget, evicted rows are punched; the punch fails with EIO.
 
-    The row write path works (a 4 KiB trailer write would succeed), but the
-    stale row is freed with its old trailer: after a clean close and reopen
-    with room for every key, evicted keys are visible again.
+    The row write path works (a 4 KiB trailer write succeeds); were the stale row
+    freed with its old trailer, evicted keys would be visible again after a clean
+    close and reopen with room for every key.
     """
     holder: list[_PunchRig] = []
     kw = tier_kwargs(tmp_path, capacity_bytes=24 * ROW[0], row_io_wrapper=_rigged(holder))
@@ -416,7 +415,7 @@ async def test_evicted_key_stays_gone_after_a_failed_punch_and_a_restart(tmp_pat
     assert not back, sorted(k.block_hash for k in back)
 
 
-# ====================================================================== ec16ddc
+# ==================================================================== the batch-end reclaim
 
 
 async def test_a_batch_without_stale_rows_blanks_nothing_and_a_replacement_is_blanked_at_once(

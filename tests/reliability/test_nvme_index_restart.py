@@ -1,4 +1,4 @@
-"""Break-it review of the NVMe tier: row index, restart, faults through RowIO, concurrency.
+"""The NVMe tier: row index, restart, faults through RowIO, concurrency.
 
 Areas:
 
@@ -11,7 +11,8 @@ Areas:
   or real files.
 * Concurrency on one loop: writes, reads, discard, flush and close interleaved.
 
-A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug.
+A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; a comment
+headed "Regression" names a bug the tier once had.
 """
 
 from __future__ import annotations
@@ -159,8 +160,8 @@ def _seg(tier: NVMeTier, group_id: int = 0, n: int = 0) -> pathlib.Path:
 # ====================================================================== restart
 
 
-# Fixed bug: one unreadable trailer at open (EIO) made the whole segment unusable:
-# every other flushed key in it was lost (scan_segment now fails that row alone).
+# Regression: one unreadable trailer at open (EIO) does not make the whole segment
+# unusable and lose every other flushed key in it: scan_segment fails that row alone.
 async def test_one_unreadable_trailer_at_open_loses_only_that_row(tmp_path: pathlib.Path) -> None:
     root = tmp_path / "nvme"
     tier = await _tier(root)
@@ -185,9 +186,9 @@ async def test_one_unreadable_trailer_at_open_loses_only_that_row(tmp_path: path
 # ====================================================================== row index
 
 
-# Fixed bug: discard() of a key whose write waited for a segment growth (or for
-# reclaim) did not stop the write from publishing it: begin_write ran after the
-# growth; write_rows now registers every write before its first await.
+# Regression: discard() of a key whose write waits for a segment growth (or for
+# reclaim) stops the write from publishing it: write_rows registers every write
+# before its first await, not with begin_write after the growth.
 async def test_discard_while_the_write_waits_for_growth_keeps_the_key_invisible(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -209,9 +210,9 @@ async def test_discard_while_the_write_waits_for_growth_keeps_the_key_invisible(
         await tier.close()
 
 
-# Fixed bug (same cause): with a stale row to blank first, the write awaited
-# reclaim() before begin_write, and a discard two loop turns after the call let it
-# publish the key.
+# Regression (same cause): with a stale row to blank first, a discard two loop turns
+# after the call stops the write from publishing the key (begin_write must not wait
+# for reclaim()).
 async def test_discard_while_the_write_blanks_stale_rows_keeps_the_key_invisible(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -801,8 +802,8 @@ async def test_failed_on_demand_growth_fails_its_key_and_keeps_the_accounting(
         kinds = [None if r is None else getattr(r, "kind", "?") for r in res]
         assert "enospc" in kinds
         st = tier.stats()
-        # Since session 13 a growth that fails with ENOSPC takes the row of the
-        # group's oldest key not in the call (key 0) instead of failing.
+        # A growth that fails with ENOSPC takes the row of the group's oldest key
+        # not in the call (key 0) instead of failing.
         assert st["disk_full_evictions"] == 1
         assert not tier.contains(key(0, 0))
         ok = 1 + kinds.count(None) - st["disk_full_evictions"]

@@ -1,35 +1,32 @@
-"""Break-it review: a keyless group punches other groups' rows on a full filesystem (session 16).
+"""A keyless group punches other groups' rows on a full filesystem.
 
-The change (bb66358, e3e16b3): a write whose group has no key of its own to
+A write whose group has no key of its own to
 take when its segments cannot grow (ENOSPC below ``capacity_bytes``) punches
 free rows of other groups, then evicts and punches their least recently used
 evictable keys (``RowIndex.take_for_disk``), enough for one row
 (``RowIndex.growth_nbytes``), and grows again (``_disk_space.on_full_disk``);
 skipped where punching is unsupported, and after ``_PUNCH_MISSES`` rounds in a
-row that gave the growth nothing (``tier._punch_frees``). (The review ran on
-that first version, which also skipped where ``statvfs`` showed the room; the
-fixes of its findings dropped that check, serialize rows that punch for room
-with allocations once the filesystem was full (``tier._punch_lock``), punch up
-to two rounds of keys per row, keep rows found by ``lseek`` as "unsure", and
-turn punching back on after any allocation succeeds; a second review,
-``test_nvme_punch_lock.py``, replaced the "unsure" rows by punching them at
-open.) At open, rows the
-extents do not cover whole count as punched (``_files._rows_without_blocks``),
-by ``lseek(SEEK_DATA)`` where FIEMAP is not answered (``_files.data_extents``,
-tmpfs). A write that fails with 'enospc' or 'short_write' punches its row
+row that gave the growth nothing (``tier._punch_frees``), until any
+allocation succeeds again. Rows that punch for room are serialized with
+allocations once the filesystem was full (``tier._punch_lock``) and punch up
+to two rounds of keys per row. At open, rows the extents do not cover whole
+count as punched (``_files._rows_without_blocks``), by ``lseek(SEEK_DATA)``
+where FIEMAP is not answered (``_files.data_extents``, tmpfs), and the free
+rows ``lseek`` cannot vouch for are punched (``test_nvme_punch_lock.py``). A
+write that fails with 'enospc' or 'short_write' punches its row
 (``RowIndex.fail_write(hole=True)``).
 
 Real seams only: small real tmpfs and ext4 loop mounts (root only; skipped
 elsewhere), another tenant that fills the filesystem from the test (or, at the
 moment a growth allocates, from a ``row_io_wrapper`` RowIO wrapper), the
-defer14 RowIO wrapper with wrapped segment handles whose ``fd`` fails or waits
-when ``_files._punch_hole`` asks for it (the only seam of a punch: it calls
-``fallocate`` through libc, not through the RowIO), held row reads (pins), and
-a real child process killed with SIGKILL
+``_GrowthRig`` RowIO wrapper of test_nvme_late_reservation.py with wrapped segment
+handles whose ``fd`` fails or waits when ``_files._punch_hole`` asks for it
+(the only seam of a punch: it calls ``fallocate`` through libc, not through
+the RowIO), held row reads (pins), and a real child process killed with SIGKILL
 (``python -m tests.reliability.test_nvme_keyless_punch crash ROOT LOG``).
 
-A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; a "Fixed in session
-16" comment heads a test that was one and failed before its fix.
+A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; a "Regression"
+comment heads a test that guards against a bug the tier once had.
 """
 
 from __future__ import annotations
@@ -52,7 +49,7 @@ from kvtier.io import NVMeTier, RowIO
 from kvtier.io import _files as files
 
 from ..io.conftest import Slots
-from . import test_nvme_disk_full as df13
+from . import test_nvme_disk_full as disk_full
 from ._faultio import kill_child, rig_factory
 from .test_nvme_disk_full import (
     BIG,
@@ -71,17 +68,17 @@ from .test_nvme_disk_full import (
     _snapshot,
     _states,
 )
-from .test_nvme_late_reservation import HEADER, _Handle, _open, _Rig14
+from .test_nvme_late_reservation import HEADER, _GrowthRig, _Handle, _open
 
-tmpfs = df13.tmpfs  # a real tmpfs / ext4 loop mount of a given size (root only)
-ext4 = df13.ext4
+tmpfs = disk_full.tmpfs  # a real tmpfs / ext4 loop mount of a given size (root only)
+ext4 = disk_full.ext4
 
 C = MID
 FS = (1 << 20) + 4096  # one growth step of an 8 KiB group (127 rows) and its header
 
 
 def _kinds(results: Sequence[BaseException | None]) -> list[str | None]:
-    return df13._kinds(results)
+    return disk_full._kinds(results)
 
 
 class _PunchHandle(_Handle):
@@ -104,8 +101,8 @@ class _PunchHandle(_Handle):
         return self.real
 
 
-class _PunchRig(_Rig14):
-    """The defer14 rig with wrapped handles, plus: ``punch_faults`` punches fail with
+class _PunchRig(_GrowthRig):
+    """The ``_GrowthRig`` rig with wrapped handles, plus: ``punch_faults`` punches fail with
     ``punch_errno``; ``hold_punch``: the next punch waits for ``punch_release``;
     ``tenant``: a folder that another tenant fills to the last page right before every
     growth allocates (it takes what a punch gave back)."""
@@ -165,15 +162,15 @@ def _row_blocks(tier: NVMeTier) -> int:
     return sum(p.stat().st_blocks * 512 for p in paths) - HEADER * len(paths)
 
 
-# ====================================================================== bugs
+# =============================================================== regressions
 
 
-# Fixed in session 16 (was a strict xfail of this review): after a reopen on tmpfs,
-# _files.data_extents (lseek SEEK_DATA) reports fallocated but never written free rows as
-# holes, RowIndex.rebuild counted them punched, RowIndex.take_for_disk(keys=False) skipped
-# them, and on_full_disk evicted other groups' KEYS while those rows held a whole step of
-# pages. Now the open punches such free rows (_blanking.punch_unsure).
-async def test_bug_after_a_reopen_on_tmpfs_a_keyless_group_evicts_keys_while_free_rows_hold_pages(
+# Regression: after a reopen on tmpfs, _files.data_extents (lseek SEEK_DATA) reports
+# fallocated but never written free rows as holes; RowIndex.rebuild counts them punched and
+# RowIndex.take_for_disk(keys=False) skips them, so on_full_disk must not evict other groups'
+# KEYS while those rows hold a whole step of pages. The open punches such free rows
+# (_blanking.punch_unsure).
+async def test_after_a_reopen_on_tmpfs_a_keyless_group_evicts_no_key_while_free_rows_hold_pages(
     tmpfs, slots
 ) -> None:
     """Group A grows one whole step (127 rows, 1 MiB: the 6 MiB tmpfs had four steps free)
@@ -195,7 +192,7 @@ async def test_bug_after_a_reopen_on_tmpfs_a_keyless_group_evicts_keys_while_fre
     try:
         # lseek cannot tell A's 124 allocated, never written rows from punched ones: the
         # open punches them (_blanking.punch_unsure), which gives B its room
-        assert _row_blocks(tier) == 3 * df13.ROW[A] == tier._index.held_nbytes
+        assert _row_blocks(tier) == 3 * disk_full.ROW[A] == tier._index.held_nbytes
         assert await tier.write_rows(_rows(buf, [_key("b", B)])) == [None]
         _states(tier._index)
         lost = [k for k in a_keys if k not in set(tier.keys())]
@@ -204,11 +201,11 @@ async def test_bug_after_a_reopen_on_tmpfs_a_keyless_group_evicts_keys_while_fre
         await tier.close()
 
 
-# Fixed in session 16 (was a strict xfail of this review): tier._punch_frees, once False,
-# stayed False for the tier's lifetime, so after another tenant had twice taken what the
-# punches gave back, a group with no key failed every write for good again. Now any later
-# allocation that succeeds (a growth, or a punched row's blocks) turns punching back on.
-async def test_bug_a_tenant_that_took_the_punched_space_twice_disables_punching_for_good(
+# Regression: tier._punch_frees, once False, does not stay False for the tier's lifetime,
+# where after another tenant has twice taken what the punches gave back, a group with no key
+# fails every write for good again. Any later allocation that succeeds (a growth, or a punched
+# row's blocks) turns punching back on.
+async def test_punching_turns_back_on_after_a_tenant_took_the_punched_space_twice(
     tmpfs, slots
 ) -> None:
     """Group A fills the 1 MiB tmpfs with keys. Group B, with no key, writes twice while
@@ -245,12 +242,11 @@ async def test_bug_a_tenant_that_took_the_punched_space_twice_disables_punching_
         await tier.close()
 
 
-# Fixed in session 16 (was a strict xfail of this review): the blocks punched for one
-# keyless group's row were not that row's: another keyless group's concurrent growth took
-# them, the row failed with 'enospc' and counted as a miss. Now rows punch for room one at
-# a time (tier._punch_lock, the growth inside it), and a row may punch a second round of
-# keys when a growth tried before another row's punch took the first.
-async def test_bug_concurrent_keyless_groups_take_each_others_punched_space(tmpfs, slots) -> None:
+# Regression: the blocks punched for one keyless group's row are that row's: another keyless
+# group's concurrent growth must not take them, failing the row with 'enospc' (a miss). Rows
+# punch for room one at a time (tier._punch_lock, the growth inside it), and a row may punch
+# a second round of keys when a growth tried before another row's punch took the first.
+async def test_concurrent_keyless_groups_never_take_each_others_punched_space(tmpfs, slots) -> None:
     """Three times, on a fresh tier: group A fills the 1 MiB tmpfs with keys, then four
     groups with no key (rows of 8, 8, 40 and 8 KiB) write 2-4 keys each in four
     concurrent write_rows calls (no other tenant). Every row should be stored (A has
@@ -281,7 +277,7 @@ async def test_bug_concurrent_keyless_groups_take_each_others_punched_space(tmpf
     assert frees == [True] * 3
 
 
-# ====================================================================== what held
+# ===================================================================== what holds
 
 
 async def test_concurrent_keyless_groups_with_many_keys_while_reads_pin_the_oldest(
@@ -477,19 +473,19 @@ async def test_a_short_write_punches_its_row_and_fails_that_key_alone(tmpfs, slo
         assert await tier.write_rows(_rows(buf, [_key(i, A)])) == [None]
     held0, blocks0 = tier._index.held_nbytes, _row_blocks(tier)
     bad = _key("short", A)
-    rig.short.add(df13._tag(bad))
+    rig.short.add(disk_full._tag(bad))
     got = await tier.write_rows(_rows(buf, [_key(3, A), bad]))  # one run: bad is its last row
     assert _kinds(got) == [None, "short_write"]
-    assert tier._index.held_nbytes == held0 - df13.ROW[A]
-    assert _row_blocks(tier) == blocks0 - df13.ROW[A]
+    assert tier._index.held_nbytes == held0 - disk_full.ROW[A]
+    assert _row_blocks(tier) == blocks0 - disk_full.ROW[A]
     assert len(tier._index._holed) == 1
     _states(tier._index)
     rig.short.clear()
     assert await tier.write_rows(_rows(buf, [bad])) == [None]
     # a free row that holds its blocks goes first; the punched row waits, free, punched
-    assert tier._index.held_nbytes == held0 - df13.ROW[A]
+    assert tier._index.held_nbytes == held0 - disk_full.ROW[A]
     assert len(tier._index._holed) == 1
-    assert _row_blocks(tier) == blocks0 - df13.ROW[A]
+    assert _row_blocks(tier) == blocks0 - disk_full.ROW[A]
     _states(tier._index)
     snap = await _snapshot(tier)
     assert set(snap) == {bad} | {_key(i, A) for i in range(4)}

@@ -1,6 +1,6 @@
-"""Break-it review: the NVMe tier's late reservation and punched-row fill (session 14).
+"""The NVMe tier's late reservation and punched-row fill.
 
-The change (263cdc3, 3603f0a, 5930e6f): a punched free row is handed to a
+A punched free row is handed to a
 write only after ``posix_fallocate`` gave its blocks back (``_files.fill_row``),
 free rows that hold blocks go first (``RowIndex.take_free(holes=False)``,
 ``RowIndex.has_row``); a write whose group has no row at hand reserves its
@@ -10,15 +10,15 @@ room only after its group grew (``reserve(evict_others=False)``,
 own group's least recently used key alone (``evict_own(reserved=False)``).
 
 Real seams only: ``row_io_wrapper`` RowIO wrappers around the real backend
-(the diskfull13 ``_Rig``: ENOSPC/EDQUOT/EIO on growth, EIO on row writes, held
+(the ``_Rig`` of test_nvme_disk_full.py: ENOSPC/EDQUOT/EIO on growth, EIO on row writes, held
 blanking writes and reads; here also held or slowed growth, an EIO from a
 punched row's allocation through the backend's file handle, and a check after
 every row write of what a restart would find on disk), small real tmpfs and
 ext4 mounts (root only; skipped elsewhere), and a real child process killed
 with SIGKILL (``python -m tests.reliability.test_nvme_late_reservation crash ROOT LOG``).
 
-A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; a "Fixed in session
-14" comment heads a test that was one and failed before its fix.
+A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; a "Regression"
+comment heads a test that guards against a bug the tier once had.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from kvtier.io import _files as files
 from kvtier.io._format import TRAILER_NBYTES, decode_trailer
 
 from ..io.conftest import Slots
-from . import test_nvme_disk_full as df13
+from . import test_nvme_disk_full as disk_full
 from ._faultio import check_found, kill_child, kill_log, rig_factory, until_set
 from .test_nvme_disk_full import (
     BIG,
@@ -71,8 +71,8 @@ from .test_nvme_disk_full import (
     _tag,
 )
 
-tmpfs = df13.tmpfs  # the fixtures: a real tmpfs / ext4 loop mount of a given size (root only)
-ext4 = df13.ext4
+tmpfs = disk_full.tmpfs  # the fixtures: a real tmpfs / ext4 loop mount of a given size (root only)
+ext4 = disk_full.ext4
 
 C = MID  # a third group of 8 KiB rows
 EQ3 = {A: NB[A], B: NB[B], C: NB[C]}
@@ -107,11 +107,11 @@ def _valid_nbytes(directory: pathlib.Path) -> int:
 
 
 class _Handle:
-    """A segment handle of :class:`_Rig14` (the real one inside); its ``fd`` may fail."""
+    """A segment handle of :class:`_GrowthRig` (the real one inside); its ``fd`` may fail."""
 
     __slots__ = ("real", "rig")
 
-    def __init__(self, real: Any, rig: _Rig14) -> None:
+    def __init__(self, real: Any, rig: _GrowthRig) -> None:
         self.real = real
         self.rig = rig
 
@@ -125,9 +125,10 @@ class _Handle:
         return self.real
 
 
-class _Rig14(_Rig):
-    """The diskfull13 rig, plus: growth held (``hold_alloc``) or slowed (``alloc_delay``);
-    ``fill_faults`` EIOs on a punched row's allocation (handles wrapped, ``wrap=True``);
+class _GrowthRig(_Rig):
+    """The rig of test_nvme_disk_full.py, plus: growth held (``hold_alloc``) or slowed
+    (``alloc_delay``); ``fill_faults`` EIOs on a punched row's allocation (handles
+    wrapped, ``wrap=True``);
     ``watch``: after every row write (row writes serialized), the row bytes a restart
     would find on disk, their maximum in ``worst``."""
 
@@ -183,8 +184,8 @@ class _Rig14(_Rig):
                 self.checks += 1
 
 
-def _rig14(holder: list[_Rig14], wrap: bool = False) -> Any:
-    return rig_factory(functools.partial(_Rig14, wrap=wrap), holder)
+def _growth_rig(holder: list[_GrowthRig], wrap: bool = False) -> Any:
+    return rig_factory(functools.partial(_GrowthRig, wrap=wrap), holder)
 
 
 async def _open(root: pathlib.Path, groups: Mapping[int, int], **over: Any) -> NVMeTier:
@@ -207,21 +208,21 @@ def _names(keys: set[OffloadKey] | list[OffloadKey]) -> list[bytes]:
     return sorted(k.block_hash for k in keys)
 
 
-def _full_tier_kw(holder: list[_Rig14], rows: int, **over: Any) -> dict[str, Any]:
+def _full_tier_kw(holder: list[_GrowthRig], rows: int, **over: Any) -> dict[str, Any]:
     """capacity_bytes of ``rows`` 8 KiB rows (up to 12: every growth step is one row)."""
-    return {"capacity_bytes": rows * ROW[A], "row_io_wrapper": _rig14(holder), **over}
+    return {"capacity_bytes": rows * ROW[A], "row_io_wrapper": _growth_rig(holder), **over}
 
 
-# ====================================================================== bugs
+# =============================================================== regressions
 
 
-# Fixed in session 14 (was a strict xfail): the late reservation of a write whose group had no
-# row at hand protected only the keys of its own GROUP (the group's jobs that _write_group
-# passed), not the keys of its write_rows call: it evicted the resident old version of a key
-# the same call rewrote in another group, and when that rewrite failed (EIO) the key was gone.
-# Now write_batch builds the call's key set once and both reservations protect it
-async def test_bug_a_late_reservation_evicts_a_key_its_own_call_rewrites(tmp_path, slots) -> None:
-    holder: list[_Rig14] = []
+# Regression: the late reservation of a write whose group has no row at hand protects the keys
+# of its write_rows call, not only those of its own GROUP (the group's jobs that _write_group
+# passes): it must not evict the resident old version of a key the same call rewrites in
+# another group, or the key is gone when that rewrite fails (EIO). write_batch builds the
+# call's key set once and both reservations protect it
+async def test_a_late_reservation_never_evicts_a_key_its_own_call_rewrites(tmp_path, slots) -> None:
+    holder: list[_GrowthRig] = []
     tier = await _open(tmp_path / "nvme", EQ3, **_full_tier_kw(holder, 4, eviction_window=1))
     buf = slots(2, SLOT)
     b0, spare, c0, a0 = _key("b0", B), _key("spare", B), _key("c0", C), _key("a0", A)
@@ -242,16 +243,18 @@ async def test_bug_a_late_reservation_evicts_a_key_its_own_call_rewrites(tmp_pat
     assert keys == {b0, a0, x}  # c0, the least recently used key outside the call, went
 
 
-# Fixed in session 14 (was a strict xfail): a write that found no room in capacity_bytes (a row
-# larger than capacity_bytes, or every other key pinned by reads) and whose group had no free
-# row was deferred and grew its group first: when that growth failed it reported the growth's
-# error ('enospc', 'eio') instead of 'capacity', and on a healthy filesystem it allocated rows
-# for a key that could not be stored. Now RowIndex.reserve(evict_others=False) tells "no room"
-# (False, None) from "room needs other groups' keys" (False, DEFERRED); only the latter waits
+# Regression: a write that finds no room in capacity_bytes (a row larger than capacity_bytes,
+# or every other key pinned by reads) and whose group has no free row reports 'capacity'; it is
+# not deferred to grow its group first, reporting the growth's error ('enospc', 'eio') when
+# that fails, or allocating rows on a healthy filesystem for a key that cannot be stored.
+# RowIndex.reserve(evict_others=False) tells "no room" (False, None) from "room needs other
+# groups' keys" (False, DEFERRED); only the latter waits
 @pytest.mark.parametrize("why", ["too_big", "pinned"])
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO])
-async def test_bug_no_room_is_reported_as_the_failed_growth(tmp_path, slots, why, err) -> None:
-    holder: list[_Rig14] = []
+async def test_no_room_is_reported_as_capacity_not_as_the_failed_growth(
+    tmp_path, slots, why, err
+) -> None:
+    holder: list[_GrowthRig] = []
     if why == "too_big":  # a 40 KiB row in a tier of 32 KiB
         tier = await _open(tmp_path / "nvme", UNEQUAL, **_full_tier_kw(holder, 4))
         new = _key("big", BIG)
@@ -279,19 +282,18 @@ async def test_bug_no_room_is_reported_as_the_failed_growth(tmp_path, slots, why
     assert (res.kind, st["failures_capacity"]) == ("capacity", 1), res
 
 
-# Was a strict xfail of this review: on a full filesystem at capacity_bytes with unequal rows,
-# a 40 KiB write whose least recently used keys are one 8 KiB key then a 40 KiB key evicts BOTH,
-# where the README said 'one key per new row, of the writer's group'. That is strict LRU with
-# unequal rows (the 8 KiB key is older), and the same on a healthy filesystem: the write takes
-# the 40 KiB key's row and grows nothing. The README now says so; this test checks that a full
-# filesystem evicts exactly what a healthy one does.
+# On a full filesystem at capacity_bytes with unequal rows, a 40 KiB write whose least recently
+# used keys are one 8 KiB key then a 40 KiB key evicts BOTH, not 'one key per new row, of the
+# writer's group'. That is strict LRU with unequal rows (the 8 KiB key is older), and the same
+# on a healthy filesystem: the write takes the 40 KiB key's row and grows nothing. The README
+# says so; this test checks that a full filesystem evicts exactly what a healthy one does.
 @pytest.mark.parametrize("full", [False, True])
 async def test_unequal_rows_evict_in_strict_lru_order_whether_the_filesystem_is_full_or_not(
     tmp_path, slots, full
 ) -> None:
-    holder: list[_Rig14] = []
+    holder: list[_GrowthRig] = []
     cap = 2 * ROW[BIG] + 5 * ROW[SMALL]
-    kw = {"capacity_bytes": cap, "row_io_wrapper": _rig14(holder), "eviction_window": 1}
+    kw = {"capacity_bytes": cap, "row_io_wrapper": _growth_rig(holder), "eviction_window": 1}
     tier = await _open(tmp_path / "nvme", UNEQUAL, **kw)
     buf = slots(1, SLOT)
     s = [_key(f"s{i}", SMALL) for i in range(5)]
@@ -327,7 +329,7 @@ async def test_late_evictions_are_blank_before_the_deferred_row_is_written(tmp_p
     no row of it is on disk; a crash image taken then holds at most capacity_bytes of
     valid rows (a reopen at that capacity evicts nothing), never the new key, and the
     evicted key with its own bytes or not at all."""
-    holder: list[_Rig14] = []
+    holder: list[_GrowthRig] = []
     root = tmp_path / "nvme"
     tier = await _open(root, EQ3, **_full_tier_kw(holder, 4, eviction_window=1))
     rig = holder[0]
@@ -352,7 +354,7 @@ async def test_late_evictions_are_blank_before_the_deferred_row_is_written(tmp_p
     assert _gone(set(olds), tier) == {olds[0]}  # B's key, the least recently used
     await tier.close()
     for where, expected in ((crash, None), (root, {*olds[1:], x})):
-        found, st = await df13._reopened(where, EQ3, capacity_bytes=4 * ROW[A])
+        found, st = await disk_full._reopened(where, EQ3, capacity_bytes=4 * ROW[A])
         assert st["evictions"] == 0, "valid rows on disk exceed capacity_bytes"
         assert st["invalid_rows_at_open"] == 0
         assert all(data == _data(k) for k, data in found.items())
@@ -365,11 +367,11 @@ async def test_late_evictions_are_blank_before_the_deferred_row_is_written(tmp_p
 
 async def test_write_without_room_fails_with_capacity_before_any_growth(tmp_path, slots) -> None:
     """Every key of a full tier is being read: a write of a group with no free row finds no
-    room: 'capacity', nothing grown (the review's version of this test saw one growth, made
-    before the fix of test_bug_no_room_is_reported_as_the_failed_growth), nothing evicted,
-    no capacity leaked; once the reads are done the next write of that group grows once and
+    room: 'capacity', nothing grown (no growth ahead of the check, see
+    test_no_room_is_reported_as_capacity_not_as_the_failed_growth), nothing evicted, no
+    capacity leaked; once the reads are done the next write of that group grows once and
     evicts one key."""
-    holder: list[_Rig14] = []
+    holder: list[_GrowthRig] = []
     tier = await _open(tmp_path / "nvme", EQ3, **_full_tier_kw(holder, 4, eviction_window=1))
     rig = holder[0]
     buf = slots(6, SLOT)
@@ -409,7 +411,7 @@ async def test_slow_growth_with_concurrent_calls_discard_drain_and_close(tmp_pat
     visible, each new row evicted the least recently used key (the first call's own
     group's key, handed over), no capacity is leaked, and a reopen finds exactly the
     visible keys with their bytes."""
-    holder: list[_Rig14] = []
+    holder: list[_GrowthRig] = []
     root = tmp_path / "nvme"
     tier = await _open(root, EQ3, **_full_tier_kw(holder, 6, eviction_window=1))
     rig = holder[0]
@@ -442,7 +444,7 @@ async def test_slow_growth_with_concurrent_calls_discard_drain_and_close(tmp_pat
     assert set(tier.keys()) == keys
     assert tier.stats()["evictions"] == 4
     _states(ix)
-    found, st = await df13._reopened(root, EQ3, capacity_bytes=6 * ROW[A])
+    found, st = await disk_full._reopened(root, EQ3, capacity_bytes=6 * ROW[A])
     assert found == {k: _data(k) for k in keys}
     assert st["evictions"] == 0
 
@@ -461,7 +463,7 @@ async def test_full_tier_on_a_full_filesystem_evicts_its_own_groups_oldest_key_p
     open) and 12 (strict LRU). Then space comes back: one eviction per new row still, and
     with strict LRU the groups grow again and the least recently used key of all groups
     goes."""
-    holder: list[_Rig14] = []
+    holder: list[_GrowthRig] = []
     rows = 96 if window > 1 else 12
     kw = _full_tier_kw(holder, rows, eviction_window=window, segment_nbytes=64 << 20)
     tier = await _open(tmp_path / "nvme", EQ3, **kw)
@@ -511,7 +513,7 @@ async def test_full_tier_on_a_full_filesystem_evicts_its_own_groups_oldest_key_p
 
 async def _punched_group_a(tier: NVMeTier, buf: Slots) -> None:
     """Group A's free rows punched (the workload moved to B past the disk budget), every
-    free row of A without blocks (as in diskfull13's punched-row test)."""
+    free row of A without blocks (as in test_nvme_disk_full.py's punched-row test)."""
     ix = tier._index
     hot = [_key(i, A) for i in range(3)]
     await _write_each(tier, buf, [_key(i, A) for i in range(16)])
@@ -540,8 +542,8 @@ async def test_eio_allocating_a_punched_row_fails_that_key_only(tmpfs, slots) ->
     index's held rows), no capacity leaks, and the next write of A allocates that row
     and succeeds."""
     mnt = tmpfs(1 << 20)
-    holder: list[_Rig14] = []
-    kw = {"capacity_bytes": 16 * ROW[A], "row_io_wrapper": _rig14(holder, wrap=True)}
+    holder: list[_GrowthRig] = []
+    kw = {"capacity_bytes": 16 * ROW[A], "row_io_wrapper": _growth_rig(holder, wrap=True)}
     tier = await _open(mnt / "nvme", {A: NB[A], B: NB[B]}, **kw)
     rig = holder[0]
     ix = tier._index
@@ -615,7 +617,7 @@ async def test_punched_rows_on_a_filesystem_that_fills_and_frees_again(tmpfs, sl
     snap = await _snapshot(tier)
     assert all(data == _data(k) for k, data in snap.items())
     await tier.close()
-    found, st2 = await df13._reopened(root, {A: NB[A], B: NB[B]}, capacity_bytes=16 * ROW[A])
+    found, st2 = await disk_full._reopened(root, {A: NB[A], B: NB[B]}, capacity_bytes=16 * ROW[A])
     assert found == snap
     assert st2["evictions"] == 0
 
@@ -636,10 +638,10 @@ async def test_concurrent_deferred_writes_never_leave_more_valid_rows_than_capac
     budget, every key reads its last written bytes, reads in flight got their bytes;
     only 'eio' (injected), 'capacity' (rows in flight) and 'enospc' (a group with nothing
     to take) fail."""
-    holder: list[_Rig14] = []
+    holder: list[_GrowthRig] = []
     groups = {**UNEQUAL, A: NB[A]}
     cap = (24 if window == 1 else 80) * ROW[SMALL]
-    kw = {"capacity_bytes": cap, "row_io_wrapper": _rig14(holder), "eviction_window": window}
+    kw = {"capacity_bytes": cap, "row_io_wrapper": _growth_rig(holder), "eviction_window": window}
     tier = await _open(tmp_path / "nvme", groups, grow_ahead=window > 1, **kw)
     rig = holder[0]
     rig.watch = tier.directory
@@ -740,7 +742,7 @@ async def _crash_child(root: str, log_path: str) -> None:
     before its write, each discard, the visible keys after each flush, and ``BAD`` if a
     row write ever left more valid rows on disk than capacity_bytes or a read got
     wrong bytes."""
-    holder: list[_Rig14] = []
+    holder: list[_GrowthRig] = []
     tier = NVMeTier(
         **_kw(
             root,
@@ -748,7 +750,7 @@ async def _crash_child(root: str, log_path: str) -> None:
             capacity_bytes=CRASH_CAP,
             grow_ahead=False,
             eviction_window=1,
-            row_io_wrapper=_rig14(holder),
+            row_io_wrapper=_growth_rig(holder),
         )
     )
     await tier.open()
@@ -838,9 +840,9 @@ def test_sigkill_during_late_reservations_and_disk_full_evictions(tmp_path) -> N
             if "w" in e:
                 h, g, s = e["w"]
                 allowed.setdefault((h, g), set()).add(s)
-        _, st = asyncio.run(df13._reopened(root, CRASH_GROUPS, capacity_bytes=CRASH_CAP))
+        _, st = asyncio.run(disk_full._reopened(root, CRASH_GROUPS, capacity_bytes=CRASH_CAP))
         assert st["evictions"] == 0, "valid rows on disk exceed capacity_bytes"
-        found, _ = asyncio.run(df13._reopened(root, CRASH_GROUPS))
+        found, _ = asyncio.run(disk_full._reopened(root, CRASH_GROUPS))
         checked += check_found(found, allowed, _data)
     assert checked > 10
 
@@ -891,7 +893,7 @@ async def test_ext4_a_punched_row_that_only_partly_fits_gives_its_blocks_back(ex
     snap = await _snapshot(tier)
     assert all(data == _data(k) for k, data in snap.items())
     await tier.close()
-    found, st = await df13._reopened(root, groups, capacity_bytes=16 * ROW[A])
+    found, st = await disk_full._reopened(root, groups, capacity_bytes=16 * ROW[A])
     assert found == snap
     assert st["invalid_rows_at_open"] == 0
 
@@ -903,11 +905,11 @@ if __name__ == "__main__" and sys.argv[1:2] == ["crash"]:
 # ====================================================================== a small filesystem
 
 
-# Fixed in session 14 (found by a fresh user's trial, not a strict xfail before): on a small
-# filesystem the first growth step of one group (capacity_bytes / (4 x groups) of rows, here the
-# whole filesystem) left no room for another group's segment; that group had no key to take, so
-# every one of its rows failed with enospc, for good (a reopen did the same). Now a group grows
-# by a whole step only while the filesystem has four such steps free, else by one row.
+# Regression: on a small filesystem the first growth step of one group (capacity_bytes /
+# (4 x groups) of rows, here the whole filesystem) must leave room for another group's segment;
+# that group has no key to take, so every one of its rows would fail with enospc, for good (a
+# reopen too). A group grows by a whole step only while the filesystem has four such steps
+# free, else by one row.
 @pytest.mark.parametrize("grow_ahead", [False, True])
 async def test_one_groups_growth_step_never_takes_a_small_filesystem_from_another(
     tmpfs, slots, grow_ahead

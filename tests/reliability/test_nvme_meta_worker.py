@@ -1,4 +1,4 @@
-"""Review of 13e411e: file growth and hole punching on the NVMe tier's own ``kvtier-meta`` workers.
+"""File growth and hole punching on the NVMe tier's own ``kvtier-meta`` workers.
 
 ``grow()`` (``fallocate`` of a segment, creation of a new segment file) and
 ``reclaim()`` (blanking stale rows) run on their own executor next to
@@ -438,14 +438,12 @@ async def test_open_close_cycles_leave_no_meta_threads(tmp_path) -> None:
 async def test_close_during_open_releases_the_namespace_lock(tmp_path) -> None:
     """close() while open() is in flight must leave the namespace reusable.
 
-    Not introduced by 13e411e, found next to it. ``close()`` in state
-    "opening" runs ``_close`` -> ``_release`` at once (io/_tier.py:343-373, 320):
-    the executors are shut down while ``open()``'s steps are still queued, and
-    the lock fd is recorded by ``_keep_lock_fd`` only after ``_release``
-    looked at it. ``open()`` then fails with RuntimeError ("cannot schedule
-    new futures after shutdown"), its own ``_release`` cannot submit either,
-    and the flock fd leaks: the namespace stays locked for the rest of the
-    process.
+    Regression: ``close()`` in state "opening" must not run ``_close`` ->
+    ``_release`` at once, shutting the executors down while ``open()``'s steps
+    are still queued and before ``_keep_lock_fd`` records the lock fd. ``open()``
+    would then fail with RuntimeError ("cannot schedule new futures after
+    shutdown"), its own ``_release`` could not submit either, and the flock fd
+    would leak: the namespace stays locked for the rest of the process.
     """
     tier = NVMeTier(**_kwargs(tmp_path))
     opening = asyncio.ensure_future(tier.open())

@@ -1,22 +1,21 @@
-"""Break-it review, second pass: the punch lock and rows found by lseek (session 16, 13ba75d).
+"""The punch lock and rows found by lseek.
 
-The change (13ba75d, on e3e16b3 and 01236d9): a write whose group has no key
+A write whose group has no key
 of its own to take when its segments cannot grow (ENOSPC below
 ``capacity_bytes``) punches rows of other groups for one row under a tier-wide
 ``asyncio.Lock`` (``tier._punch_lock``, taken while the group's segment lock is
 held, ``_disk_space.on_full_disk`` -> ``_disk_space._punch_for_row``): up to four
-rounds of their free rows (``RowIndex.take_for_disk(keys=False, skip=...)``,
-rows found "unsure" at open by ``lseek`` last), each followed by a one-row
+rounds of their free rows (``RowIndex.take_for_disk(keys=False, skip=...)``),
+each followed by a one-row
 growth (``_growth.grow_row``), then up to two rounds of their least recently used
 keys. Once the filesystem was seen full (``tier._disk_was_full``) every
 on-demand allocation (``_writes._allocate``: fill a punched row, or grow)
 runs under that lock too. Background growth ahead (``_growth._grow_ahead``) does not.
 At open, rows the extents do not cover whole count as punched; where FIEMAP is
-not answered (tmpfs) ``lseek(SEEK_DATA)`` finds them and they are kept as
-"unsure" (``RowIndex._unsure``; after this review's finding, replaced by
-punching those free rows at open, ``_blanking.punch_unsure``).
+not answered (tmpfs) ``lseek(SEEK_DATA)`` finds them, and the free rows it
+cannot vouch for are punched at open (``_blanking.punch_unsure``).
 
-This pass looks at what ``test_nvme_keyless_punch.py`` did not: hangs between the
+Beyond ``test_nvme_keyless_punch.py``, these tests look at hangs between the
 punch lock, segment locks, growth ahead, growth futures (``tier._growing``),
 reads, discards, flushes, ``drain`` and ``close`` with many groups on a full
 tmpfs and a full ext4 whose other tenant frees and takes space; an EIO of the
@@ -27,14 +26,14 @@ while keyless groups punch with growth ahead on.
 
 Real seams only: small real tmpfs and ext4 loop mounts (root only; skipped
 elsewhere), another tenant that fills and frees the filesystem from the test,
-``row_io_wrapper`` RowIO wrappers (the punch16 ``_PunchRig``: wrapped segment
+``row_io_wrapper`` RowIO wrappers (the ``_PunchRig`` of test_nvme_keyless_punch.py: wrapped segment
 handles whose ``fd`` fails when ``_files._punch_hole`` asks for it; here also
 an EIO of the growth after a punch, and of blanking trailer writes), and a
 real child process killed with SIGKILL. Every wait is bounded
 (``asyncio.wait_for``): a hang fails the test.
 
-A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; a "Fixed in session
-16" comment heads a test that was one and failed before its fix.
+A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; a "Regression"
+comment heads a test that guards against a bug the tier once had.
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ from kvtier import OffloadKey
 from kvtier.io import NVMeTier, RowIO
 
 from ..io.conftest import Slots
-from . import test_nvme_disk_full as df13
+from . import test_nvme_disk_full as disk_full
 from ._faultio import kill_child, rig_factory
 from .test_nvme_disk_full import (
     BIG,
@@ -85,8 +84,8 @@ from .test_nvme_keyless_punch import (
 )
 from .test_nvme_late_reservation import _open
 
-tmpfs = df13.tmpfs  # a real tmpfs / ext4 loop mount of a given size (root only)
-ext4 = df13.ext4
+tmpfs = disk_full.tmpfs  # a real tmpfs / ext4 loop mount of a given size (root only)
+ext4 = disk_full.ext4
 
 C = MID
 ALL = {A: NB[A], B: NB[B], C: NB[C], BIG: NB[BIG], SMALL: NB[SMALL]}
@@ -121,8 +120,8 @@ class _Tenant:
             self.files.pop(random.randrange(len(self.files))).unlink()
 
 
-class _Rig16b(_PunchRig):
-    """The punch16 rig, plus: ``grow_eio``: the next growth (``allocate``) after a punch
+class _EioRig(_PunchRig):
+    """The ``_PunchRig`` rig, plus: ``grow_eio``: the next growth (``allocate``) after a punch
     fails with EIO; ``trailer_faults``: blanking trailer writes that fail with EIO."""
 
     def __init__(self, inner: RowIO) -> None:
@@ -146,8 +145,8 @@ class _Rig16b(_PunchRig):
         return super().pwritev(handle, bufs, file_offset)
 
 
-def _rig16b(holder: list[_Rig16b]) -> Any:
-    return rig_factory(_Rig16b, holder)
+def _eio_rig(holder: list[_EioRig]) -> Any:
+    return rig_factory(_EioRig, holder)
 
 
 def _check_found(
@@ -163,10 +162,12 @@ def _check_found(
     return ok
 
 
-async def _open16b(root: pathlib.Path, groups: dict[int, int]) -> tuple[NVMeTier, _Rig16b]:
-    """A tier (capacity_bytes 16 MiB) with this review's rig; the rig."""
-    holder: list[_Rig16b] = []
-    tier = await _open(root, groups, capacity_bytes=16 << 20, row_io_wrapper=_rig16b(holder))
+async def _open_with_eio_rig(
+    root: pathlib.Path, groups: dict[int, int]
+) -> tuple[NVMeTier, _EioRig]:
+    """A tier (capacity_bytes 16 MiB) with the ``_EioRig`` rig; the rig."""
+    holder: list[_EioRig] = []
+    tier = await _open(root, groups, capacity_bytes=16 << 20, row_io_wrapper=_eio_rig(holder))
     return tier, holder[0]
 
 
@@ -194,22 +195,21 @@ def _call_keys(
     return keys
 
 
-# ====================================================================== bugs
+# =============================================================== regressions
 
 
-# Fixed in session 16 (was a strict xfail of this review): after a reopen on tmpfs,
-# RowIndex.rebuild counted the fallocated but never written free rows that
-# _files.data_extents (lseek SEEK_DATA) reports as holes as punched, so held_nbytes left out
-# blocks the files held; take_to_punch skipped them and over_budget never saw them, and the
-# segment files held more than disk_budget_nbytes for good. Now the open punches those free
-# rows (_blanking.punch_unsure), so the count is exact.
+# Regression: after a reopen on tmpfs, RowIndex.rebuild counts the fallocated but never
+# written free rows that _files.data_extents (lseek SEEK_DATA) reports as holes as punched;
+# held_nbytes must not then leave out blocks the files hold (take_to_punch skipping them and
+# over_budget never seeing them, the segment files would hold more than disk_budget_nbytes
+# for good). The open punches those free rows (_blanking.punch_unsure), so the count is exact.
 async def test_after_a_reopen_on_tmpfs_the_files_hold_no_more_than_the_disk_budget(
     tmpfs, slots
 ) -> None:
     """A roomy tmpfs, capacity_bytes 1 MiB, two groups of 8 KiB rows (steps of 16 rows),
-    growth ahead on. Session 1: group A writes 9 keys (it grew ahead to 32 rows; B grew
-    its first step at open). Session 2 (reopen: 39 unwritten rows count as punched):
-    group B writes 300 keys. The blocks the segment files hold (st_blocks) should stay
+    growth ahead on. First open: group A writes 9 keys (it grew ahead to 32 rows; B grew
+    its first step at open). Second open (39 unwritten rows count as punched): group B
+    writes 300 keys. The blocks the segment files hold (st_blocks) should stay
     within the disk budget, as ``held_nbytes`` says they do, and stay so after a reopen."""
     mnt = tmpfs(32 << 20)
     root = mnt / "nvme"
@@ -236,7 +236,7 @@ async def test_after_a_reopen_on_tmpfs_the_files_hold_no_more_than_the_disk_budg
         await tier.close()
 
 
-# ====================================================================== what held
+# ===================================================================== what holds
 
 
 @pytest.mark.parametrize("fs", ["tmpfs", "ext4"])
@@ -327,14 +327,14 @@ async def test_an_eio_of_the_growth_inside_a_punch_round_stops_the_rounds(tmpfs,
     reopen finds every key left with its bytes."""
     root = tmpfs(FS) / "nvme"
     groups = {A: NB[A], B: NB[B]}
-    tier, rig = await _open16b(root, groups)
+    tier, rig = await _open_with_eio_rig(root, groups)
     buf = slots(2, SLOT)
     try:
         held_a = await _fill_with_a(tier, buf)
         rig.grow_eio = True
         got = await asyncio.wait_for(tier.write_rows(_rows(buf, [_key("b0", B)])), 20)
         assert rig.grow_failed == 1
-        assert _kinds(got) == ["eio"]  # the growth's own error (was: the first one's, enospc)
+        assert _kinds(got) == ["eio"]  # the growth's own error, not the first one's (enospc)
         gone = [k for k in held_a if k not in set(tier.keys())]
         assert gone == held_a[:2]
         assert tier._punch_misses == 0
@@ -366,7 +366,7 @@ async def test_an_eio_of_the_trailer_write_after_a_failed_punch_never_gives_wron
     blocks."""
     root = tmpfs(FS) / "nvme"
     groups = {A: NB[A], B: NB[B]}
-    tier, rig = await _open16b(root, groups)
+    tier, rig = await _open_with_eio_rig(root, groups)
     buf = slots(2, SLOT)
     written = {}
     try:
@@ -411,10 +411,10 @@ async def test_a_keyless_row_waiting_on_the_punch_lock_while_growth_ahead_holds_
     adds up; a reopen finds the snapshot."""
     mnt = tmpfs(FS)
     root = mnt / "nvme"
-    holder: list[_Rig16b] = []
+    holder: list[_EioRig] = []
     groups = {A: NB[A], B: NB[B], C: NB[C]}
     tier = await _open(
-        root, groups, capacity_bytes=16 << 20, grow_ahead=True, row_io_wrapper=_rig16b(holder)
+        root, groups, capacity_bytes=16 << 20, grow_ahead=True, row_io_wrapper=_eio_rig(holder)
     )
     rig = holder[0]
     buf = slots(8, SLOT)
@@ -533,7 +533,7 @@ def test_sigkill_while_keyless_groups_punch_with_growth_ahead(tmpfs, tmp_path) -
                 _states(tier._index)
                 found = await asyncio.wait_for(_snapshot(tier), 30)
                 ok = _check_found(found, written)
-                valid = sum(df13.ROW[k.group_id] for k, d in found.items() if d is not None)
+                valid = sum(disk_full.ROW[k.group_id] for k, d in found.items() if d is not None)
                 assert valid <= 640 << 10
                 buf = Slots(1, SLOT)
                 out = []

@@ -1,16 +1,16 @@
-"""Break-it review of the NVMe tier's row reuse (eb6c009/6d37d9a, then its v2 rework).
+"""The NVMe tier's row reuse.
 
-eb6c009 left a row evicted by LRU "unblanked" (its trailer still naming the
-evicted key) in its group's free heap, to be overwritten in place; the
-``test_bug_*`` tests proved bugs of that change (they were strict xfails) and
-now pass (their docstrings start "Fixed bug:"). The tier as it is (v2): a row
-evicted for another group's write goes stale and is blanked in the same write
-batch by zeroing its 4 KiB trailer, keeping its disk blocks (its group's next write overwrites
-it in place); rows are punched only while the rows holding blocks exceed
-``disk_budget_nbytes`` (stale rows, then free rows of the groups with the most
-free bytes, counted as punched at once). So an evicted key never comes back
-after a crash once the write that evicted it completed, unless its blanking
-failed (then only with its own bytes), and never after a clean close.
+A row evicted by LRU must not wait "unblanked" (its trailer still naming the
+evicted key) in its group's free heap to be overwritten in place; the tests
+whose docstrings start "Regression:" guard against the bugs that caused. A
+row evicted for another group's write goes stale and is blanked in the same
+write batch by zeroing its 4 KiB trailer, keeping its disk blocks (its
+group's next write overwrites it in place); rows are punched only while the
+rows holding blocks exceed ``disk_budget_nbytes`` (stale rows, then free rows
+of the groups with the most free bytes, counted as punched at once). So an
+evicted key never comes back after a crash once the write that evicted it
+completed, unless its blanking failed (then only with its own bytes), and
+never after a clean close.
 
 Attacks, through ``NVMeTier``/``TransferEngine`` and faults injected only by
 ``row_io_wrapper`` or real subprocesses (``python -m
@@ -30,8 +30,7 @@ ends with ``os._exit(0)``: a crash that keeps the page cache, like SIGKILL):
 Coverage checks count evictions and the 4 KiB trailer writes that blank rows
 (a counting ``RowIO`` wrapper): the evicted rows of other groups were blanked.
 
-A test marked ``xfail(strict=True, reason="BUG (v2...")`` proves a bug that v2
-still has.
+A test marked ``xfail(strict=True, reason="BUG ...")`` proves a bug the tier still has.
 """
 
 from __future__ import annotations
@@ -143,22 +142,22 @@ def _child(cmd: str, root: pathlib.Path) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# ====================================================================== bugs
+# =============================================================== regressions
 
 
-async def test_bug_discarded_rows_blanked_within_the_budget_keep_their_blocks_forever(
+async def test_discarded_rows_blanked_within_the_budget_are_punched_once_past_it(
     tmp_path, slots
 ) -> None:
-    """Fixed bug: stale rows blanked within the budget kept their disk blocks as plain free rows
-    that were never punched, so a workload moving to another group held disk blocks far above the
-    budget (364 KiB vs 204 KiB).
+    """Regression: stale rows blanked within the budget keep their disk blocks as plain free
+    rows, and must still be punched, or a workload moving to another group holds disk blocks far
+    above the budget (364 KiB vs 204 KiB).
 
     Eight group-0 keys fill the capacity and are discarded; the next write's
     reclaim zeroes their trailers (the tier is within its budget), so they
     become free rows that still hold disk blocks. The workload then moves to
     group 2 and takes the tier past its budget: ``RowIndex.take_to_punch``
-    must punch those free group-0 rows (v1's ``take_unblanked`` only knew
-    evicted rows). Before eb6c009 every blanked row was punched (196 KiB here).
+    must punch those free group-0 rows, not only evicted rows (punching every
+    blanked row would give 196 KiB here).
     """
     capacity = 8 * ROW[0]
     tier = NVMeTier(**tier_kwargs(tmp_path, capacity_bytes=capacity))
@@ -223,34 +222,35 @@ async def test_row_evicted_within_the_budget_after_a_reopen_keeps_its_blocks(
     assert after == before
 
 
-async def test_bug_reopen_counts_punched_rows_as_held_and_punches_rows_evicted_within_budget(
+async def test_reopen_counts_punched_rows_as_holes_and_keeps_rows_evicted_within_budget(
     tmp_path, slots
 ) -> None:
-    """Fixed bug: after a restart that followed a workload shift, RowIndex.rebuild counted punched
-    rows as held, so over_budget stayed True and every row evicted by LRU was punched instead of
-    kept for an overwrite in place.
+    """Regression: after a restart that followed a workload shift, RowIndex.rebuild does not
+    count punched rows as held, where over_budget would stay True and every row evicted by LRU
+    would be punched instead of kept for an overwrite in place.
 
-    Session 1 fills group 0, then group 2 (group 0's rows are punched, as
+    The first open fills group 0, then group 2 (group 0's rows are punched, as
     designed). At reopen the tier is within its budget on disk, as in the
     control test above: the row evicted for a group-1 write keeps its blocks
-    (the index now learns at open which rows are holes: see the next test).
+    (the index learns at open which rows are holes: see the next test).
     """
     before, after = await _evict_after_reopen(tmp_path, slots(1), history=True)
     assert after == before, "a row evicted within the budget was punched"
 
 
 async def test_reopen_punches_holes_not_free_rows_that_hold_blocks(tmp_path, slots) -> None:
-    """Fixed bug: RowIndex.rebuild counted every allocated row as holding blocks, so
-    after a restart that followed a workload shift the first reclaim punched free rows
-    that held blocks (the group with most free bytes) instead of counting the holes.
+    """Regression: RowIndex.rebuild does not count every allocated row as holding blocks,
+    where after a restart that followed a workload shift the first reclaim would punch
+    free rows that hold blocks (the group with most free bytes) instead of counting the
+    holes.
 
     Five group-0 keys, then nine group-2 keys (group 0's rows are punched, as
     designed); the group-2 keys are discarded and blanked within the budget
     (their rows keep their blocks: group 2 then has the most free bytes). At
     reopen the rows holding blocks leave room for one more group-1 row in
     the budget (the scan maps the holes with FIEMAP), so one group-1 write
-    punches nothing. (Nine, not ten: growth counts the rows that hold blocks
-    since session 11, and ten group-2 keys now fill the budget exactly.)
+    punches nothing. (Nine, not ten: growth counts the rows that hold blocks,
+    and ten group-2 keys fill the budget exactly.)
     """
     buf = slots(1)
     kw = tier_kwargs(tmp_path, capacity_bytes=8 * ROW[0])
@@ -283,9 +283,9 @@ async def test_reopen_punches_holes_not_free_rows_that_hold_blocks(tmp_path, slo
     assert after == kept, "free rows that hold blocks were punched within the budget"
 
 
-async def test_bug_growth_one_row_past_the_budget_punches_one_row_not_two(tmp_path, slots) -> None:
-    """Fixed bug: two concurrent reclaims (write_batch's and grow_step's) each computed the same
-    excess over the budget, so a growth one row past it punched two freed rows instead of one.
+async def test_growth_one_row_past_the_budget_punches_one_row_not_two(tmp_path, slots) -> None:
+    """Regression: two concurrent reclaims (write_batch's and grow_step's) do not each count the
+    same excess over the budget, so a growth one row past it punches one freed row, not two.
     """
     buf = slots(1)
     tier = NVMeTier(
@@ -310,10 +310,10 @@ async def test_bug_growth_one_row_past_the_budget_punches_one_row_not_two(tmp_pa
     assert after == before[0] - ROW[0], (before, after)
 
 
-def test_bug_crash_brings_back_evicted_keys_that_push_out_a_flushed_visible_key(tmp_path) -> None:
-    """Fixed bug: after a crash, rows evicted by LRU but left unblanked came back at open with
-    higher sequence numbers than an older, flushed, visible key, and RowIndex.rebuild evicted that
-    flushed key to fit capacity_bytes.
+def test_a_crash_brings_back_no_evicted_key_to_push_out_a_flushed_visible_key(tmp_path) -> None:
+    """Regression: after a crash, rows evicted by LRU do not come back unblanked at open with
+    higher sequence numbers than an older, flushed, visible key, making RowIndex.rebuild evict
+    that flushed key to fit capacity_bytes.
     """
     root = tmp_path / "nvme"
     at_crash = _child("tier-displace", root)
@@ -323,13 +323,14 @@ def test_bug_crash_brings_back_evicted_keys_that_push_out_a_flushed_visible_key(
     for k, data in found.items():  # guarantee 1 holds: whatever is found has its own bytes
         assert data == payload(k, GROUP_NBYTES[k.group_id]), k
     assert flushed in found, sorted(map(_name, found))
-    # v2: the evicted keys were blanked by the completed writes that evicted them
+    # the evicted keys were blanked by the completed writes that evicted them
     assert sorted(map(_name, found)) == at_crash["visible"]
 
 
-def test_bug_engine_flushed_and_loaded_key_is_lost_after_a_crash(tmp_path) -> None:
-    """Fixed bug: a key stored, flushed and then loaded from NVMe was a MISS after a crash, because
-    group-0 keys evicted after it by group-1 stores came back unblanked and pushed it out at open.
+def test_engine_flushed_and_loaded_key_survives_a_crash(tmp_path) -> None:
+    """Regression: a key stored, flushed and then loaded from NVMe is no MISS after a crash: the
+    group-0 keys evicted after it by group-1 stores do not come back unblanked and push it out
+    at open.
     """
     root = tmp_path / "nvme"
     at_crash = _child("engine-displace", root)
@@ -345,15 +346,15 @@ def test_bug_engine_flushed_and_loaded_key_is_lost_after_a_crash(tmp_path) -> No
             assert engine.lookup([f.key]) == [R.NVME]
             res = await load_check(engine, gpu, [f])
             assert f.key in res.loaded
-            assert R.NVME not in engine.lookup(gone)  # v2: evicted keys never come back
+            assert R.NVME not in engine.lookup(gone)  # evicted keys never come back
 
     asyncio.run(run())
 
 
-def test_bug_discarded_key_comes_back_after_the_next_write_and_a_crash(tmp_path) -> None:
-    """Fixed bug: NVMeTier.discard left an older row of the key, unblanked by an eviction, as it
-    was, so after the next write, a flush and a crash the discarded key came back with the bytes of
-    its older write.
+def test_discarded_key_never_comes_back_after_the_next_write_and_a_crash(tmp_path) -> None:
+    """Regression: NVMeTier.discard blanks an older row of the key that an eviction left
+    unblanked, so after the next write, a flush and a crash the discarded key does not come back
+    with the bytes of its older write.
     """
     root = tmp_path / "nvme"
     at_crash = _child("tier-discard", root)
@@ -364,13 +365,13 @@ def test_bug_discarded_key_comes_back_after_the_next_write_and_a_crash(tmp_path)
     if k in found:  # its bytes are those of the first write (salt 0), not the last (salt 1)
         assert found[k] == payload(k, GROUP_NBYTES[0], 0)
     assert k not in found
-    # v2: nothing evicted (key 0, key 2) or discarded comes back; the rest with its own bytes
+    # nothing evicted (key 0, key 2) or discarded comes back; the rest with its own bytes
     assert sorted(map(_name, found)) == visible
     for other, data in found.items():
         assert data == payload(other, GROUP_NBYTES[other.group_id]), other
 
 
-# ====================================================================== what held
+# ===================================================================== what holds
 
 
 async def test_discard_of_a_key_evicted_before_never_returns_after_close(tmp_path, slots) -> None:
@@ -392,8 +393,8 @@ async def test_discard_of_a_key_evicted_before_never_returns_after_close(tmp_pat
 def test_key_evicted_twice_then_a_crash_never_comes_back(tmp_path) -> None:
     """Two rows of K (salt 0, then salt 1) were evicted by completed writes: both blanked.
 
-    v1 kept both rows unblanked and a crash could bring K back (with its last
-    bytes); v2 blanks each in the write that evicted it.
+    Were both rows kept unblanked, a crash could bring K back (with its last
+    bytes); the tier blanks each in the write that evicted it.
     """
     root = tmp_path / "nvme"
     at_crash = _child("tier-twice", root)
@@ -674,8 +675,8 @@ async def test_random_interleavings_never_give_wrong_bytes_across_close_and_cras
     was visible (flushed) at the crash is found with those bytes or not at
     all, and a key that was not is found only if it left the tier (evicted,
     discarded, dropped, failed) after the start of the last write_rows call:
-    every write blanks the stale rows before it, and the rows it evicts
-    (v2). After a clean close exactly the visible keys come back, bitwise,
+    every write blanks the stale rows before it, and the rows it evicts.
+    After a clean close exactly the visible keys come back, bitwise,
     never an evicted or discarded one; a reopen with a smaller capacity keeps
     a subset, and after its clean close exactly that subset comes back.
     """

@@ -1,12 +1,12 @@
-"""Break-it review: growth bounded by a small filesystem's free space (0f737ef, 28fe7cf).
+"""Growth bounded by a small filesystem's free space.
 
-The change: a group's segments grow by a whole step (ahead of need or on
+A group's segments grow by a whole step (ahead of need or on
 demand) only while ``statvfs`` shows ``_FREE_STEPS`` (4) such steps free, else
 by one row (``_growth.claim_growth``); a growth that fails with ENOSPC or
 EDQUOT while another group's growth is in flight waits for it and tries once
 more (``_disk_space.on_full_disk``); growth-ahead failures log at INFO once per
-group. It fixed one group's first step taking a whole small filesystem, so
-that another group, with no row and no key to take, failed every write.
+group. So one group's first step does not take a whole small filesystem,
+where another group, with no row and no key to take, would fail every write.
 
 Real seams only: small real tmpfs mounts (root; the ``tmpfs`` fixture of
 ``test_nvme_disk_full``), a filler that fills and frees such a filesystem
@@ -14,8 +14,8 @@ from another thread the way another tenant would, the real engine, and a real
 child process killed with SIGKILL
 (``python -m tests.reliability.test_nvme_small_filesystem crash ROOT LOG``).
 
-A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; a "Fixed in session
-14" comment heads a test that was one and failed before its fix.
+A test marked ``xfail(strict=True, reason="BUG: ...")`` proves a bug; a "Regression"
+comment heads a test that guards against a bug the tier once had.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from kvtier import OffloadKey
 from kvtier.io import NVMeTier
 
 from ..io.conftest import Slots
-from . import test_nvme_disk_full as df13
+from . import test_nvme_disk_full as disk_full
 from ._faultio import kill_child
 from ._model import Gpu, chunks_for, engine_config, load_check, nvme_config, store_ok
 from ._model import key as model_key
@@ -56,11 +56,11 @@ from .test_nvme_disk_full import (
     _snapshot,
     _states,
 )
-from .test_nvme_late_reservation import _open, _Rig14, _rig14
+from .test_nvme_late_reservation import _growth_rig, _GrowthRig, _open
 
-tmpfs = df13.tmpfs  # a real tmpfs of a given size (root only)
+tmpfs = disk_full.tmpfs  # a real tmpfs of a given size (root only)
 
-C = df13.MID
+C = disk_full.MID
 FIVE = {g: NB[g] for g in (BIG, SMALL, C, A, B)}  # rows of 40, 8, 8, 8 and 8 KiB
 # capacity_bytes / (4 x 5 groups) = 640 KiB: a step of 80 rows of 8 KiB or 16 rows of 40 KiB
 FIVE_CAP = 12800 << 10
@@ -68,21 +68,20 @@ FIVE_FILE = (640 + 4) << 10  # a first segment file: one step and its 4 KiB head
 
 
 def _kinds(results: list[BaseException | None]) -> list[str | None]:
-    return df13._kinds(results)
+    return disk_full._kinds(results)
 
 
-# ====================================================================== bugs
+# =============================================================== regressions
 
 
-# Fixed in session 16 (was a strict xfail of this review): a group that starts writing after
-# another group filled the filesystem with its KEYS (not with a growth step: every growth here
-# was bounded by the new check) had no row and no key of its own, and the other group's keys
-# were never evicted for it (capacity_bytes is not reached): it failed every write with
-# 'enospc', for good, and a reopen did the same. Now a write whose group has no key of its own
-# to take punches free rows of other groups, then their least recently used keys, enough for
-# its row, and grows (_disk_space.on_full_disk, RowIndex.take_for_disk); later writes of that
-# group reuse its own keys' rows as every group does on a full filesystem, so a group gets as
-# many rows as its largest call holds keys.
+# Regression: a group that starts writing after another group filled the filesystem with its
+# KEYS (not with a growth step: every growth here is bounded by the free-space check) has no
+# row and no key of its own, and capacity_bytes is not reached; it must not fail every write
+# with 'enospc', for good (a reopen too). A write whose group has no key of its own to take
+# punches free rows of other groups, then their least recently used keys, enough for its row,
+# and grows (_disk_space.on_full_disk, RowIndex.take_for_disk); later writes of that group reuse
+# its own keys' rows as every group does on a full filesystem, so a group gets as many rows
+# as its largest call holds keys.
 @pytest.mark.parametrize("grow_ahead", [False, True])
 @pytest.mark.parametrize("per_call", [1, 8])
 async def test_a_group_that_starts_after_another_filled_the_filesystem_takes_its_oldest_keys(
@@ -103,7 +102,7 @@ async def test_a_group_that_starts_after_another_filled_the_filesystem_takes_its
         got: list[BaseException | None] = []
         for i in range(0, 8, per_call):
             got += await tier.write_rows(_rows(buf, keys[i : i + per_call]))
-        assert _kinds(got) == [None] * 8, _kinds(got)  # was: all 'enospc'
+        assert _kinds(got) == [None] * 8, _kinds(got)  # not all 'enospc'
         return keys
 
     late = await write_b("b")
@@ -139,9 +138,9 @@ async def test_a_write_into_a_hole_the_index_did_not_know_of_punches_that_row(tm
     from outside the tier here; a row punched in an earlier session on a filesystem that
     says nothing of holes at open), on a full filesystem: the write into it fails (a short
     write or ENOSPC, for that key only), and the row is punched, so that it is allocated
-    before it is handed out again. Before session 16 its trailer was blanked instead, which
-    failed with ENOSPC too, the row stayed "holding blocks" and every later write of the
-    group took it and failed the same way."""
+    before it is handed out again. Were its trailer blanked instead, that would fail with
+    ENOSPC too, the row would stay "holding blocks" and every later write of the group
+    would take it and fail the same way."""
     mnt = tmpfs(1 << 20)
     tier = await _open(mnt / "nvme", {A: NB[A]}, capacity_bytes=16 << 20)
     buf = slots(1, SLOT)
@@ -164,11 +163,11 @@ async def test_a_write_into_a_hole_the_index_did_not_know_of_punches_that_row(tm
         assert libc.fallocate(seg, punch, off, size) == 0
     finally:
         os.close(seg)
-    df13._fill(mnt)
+    disk_full._fill(mnt)
     got = [(await tier.write_rows(_rows(buf, [_key(f"h{i}", A)])))[0] for i in range(6)]
     kinds = _kinds(got)
     assert kinds[0] in ("short_write", "enospc"), kinds  # the write into the hole
-    assert kinds[1:] == [None] * 5, kinds  # was: the same failure, for good
+    assert kinds[1:] == [None] * 5, kinds  # not the same failure, for good
     assert tier.stats()["failures_short_write"] + tier.stats()["failures_enospc"] == 1
     _states(tier._index)
     snap = await _snapshot(tier)
@@ -176,25 +175,22 @@ async def test_a_write_into_a_hole_the_index_did_not_know_of_punches_that_row(tm
     assert all(data == _data(k) for k, data in snap.items())
 
 
-# The check of free space and the growth it allows are not one step: groups that grow at the
-# same time (one write_rows call with a key per group, or the growth ahead that open() starts
-# for every group) all read statvfs before any of them allocates, all see four steps free, and
-# all grow a whole step. With five groups on a filesystem of four steps (and their headers),
-# four steps take it all and the fifth group, with no row and no key, fails every write.
-# Fixed in session 14 (was a strict xfail of this review): the free-space check did not count
-# growths of other groups in flight: five groups growing at once (open()'s growth ahead, or one
-# write_rows call with a key per group) all saw four steps free and all grew a whole step; on a
-# filesystem of four steps one group got no segment, had no key to take and failed every write
-# with 'enospc' for good. Now growths are sized one at a time, against the free space less
-# what the growths sized and not yet done claimed (_growth.claim_growth)
+# Regression: the free-space check counts growths of other groups in flight. Groups that grow
+# at the same time (one write_rows call with a key per group, or the growth ahead that open()
+# starts for every group) must not all read statvfs before any of them allocates, all see four
+# steps free and all grow a whole step: with five groups on a filesystem of four steps (and
+# their headers), four steps would take it all and the fifth group, with no segment, no row
+# and no key to take, would fail every write with 'enospc' for good. Growths are sized one at
+# a time, against the free space less what the growths sized and not yet done claimed
+# (_growth.claim_growth)
 @pytest.mark.parametrize("grow_ahead", [False, True])
-async def test_bug_five_groups_growing_at_once_all_pass_the_free_space_check(
+async def test_five_groups_growing_at_once_on_four_free_steps_all_keep_storing(
     tmpfs, slots, grow_ahead
 ) -> None:
     mnt = tmpfs(4 * FIVE_FILE + (12 << 10))  # 8 KiB of it taken at open; four steps free
-    holder: list[_Rig14] = []
+    holder: list[_GrowthRig] = []
     tier = await _open(mnt / "nvme", FIVE, capacity_bytes=FIVE_CAP, grow_ahead=grow_ahead,
-                       row_io_wrapper=_rig14(holder))  # fmt: skip
+                       row_io_wrapper=_growth_rig(holder))  # fmt: skip
     holder[0].alloc_delay = 0.05  # a fallocate that takes 50 ms, as on a real disk
     assert _free_nbytes(mnt) >= 4 * (640 << 10)  # the check lets a whole step through
     buf = slots(len(FIVE), SLOT)
@@ -210,7 +206,7 @@ async def test_bug_five_groups_growing_at_once_all_pass_the_free_space_check(
     assert min(held.values()) > 0, (held, segments)
 
 
-# ====================================================================== what held
+# ===================================================================== what holds
 
 
 @pytest.mark.parametrize("grow_ahead", [False, True])

@@ -1,4 +1,4 @@
-"""Break-it review: a full NVMe tier whose groups have very unequal row sizes.
+"""A full NVMe tier whose groups have very unequal row sizes.
 
 DeepSeek-V3.2 (``engine/_shapes.py``, ``deepseek-v3.2``) stores two KV cache
 groups per chunk: the MLA latent (656 B/token) and the sparse-attention
@@ -14,7 +14,7 @@ runs the child). A "crash" in-process is a copy of the namespace folder taken
 while the tier is live: the files as the page cache holds them, which is what
 a SIGKILL leaves.
 
-Two bugs it found are fixed; their tests (``test_fixed_...``) failed before the fixes.
+The two tests whose docstrings start "Regression:" guard against bugs the tier once had.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _kw(root: pathlib.Path | str, **over: Any) -> dict[str, Any]:
 
 
 def _key(i: int, group_id: int) -> OffloadKey:
-    return OffloadKey(f"u12-{i}".encode(), group_id)
+    return OffloadKey(f"unequal-{i}".encode(), group_id)
 
 
 def _tag(k: OffloadKey) -> bytes:
@@ -532,20 +532,20 @@ async def test_reopen_smaller_evicts_by_sequence_within_capacity_and_they_stay_g
         assert data == _data(k), k
 
 
-# ====================================================================== bugs
+# =============================================================== regressions
 
 
-async def test_fixed_a_write_returns_and_writes_only_once_the_rows_it_evicted_are_blank(
+async def test_a_write_returns_and_writes_only_once_the_rows_it_evicted_are_blank(
     tmp_path, slots
 ) -> None:
-    """Fixed bug: two concurrent small-row calls A and B on a full tier whose LRU-oldest key
-    is big (E). A evicts E, but B's batch, which starts right after, took E's stale row in
-    its own opening reclaim; A's reclaim found nothing and A returned while E's trailer was
-    still intact. A crash then brought E back, and since E was written after small keys
-    that were read since (LRU order != sequence order), the restart's rebuild dropped a
-    flushed, recently read small key to fit E.
+    """Regression: two concurrent small-row calls A and B on a full tier whose LRU-oldest
+    key is big (E). A evicts E, and B's batch, which starts right after, may take E's stale
+    row in its own opening reclaim; A must not then find nothing to reclaim and return
+    while E's trailer is still intact. A crash would bring E back, and since E was written
+    after small keys that were read since (LRU order != sequence order), the restart's
+    rebuild would drop a flushed, recently read small key to fit E.
 
-    Now a batch blanks (or waits for another reclaim to blank) the rows it evicted BEFORE
+    A batch blanks (or waits for another reclaim to blank) the rows it evicted BEFORE
     it writes its own rows, and returns only once they are blank
     (io/_blanking.py settle_evictions): while E's blanking is held, A has neither returned
     nor written its row, so a crash leaves no more valid rows than capacity_bytes and
@@ -597,15 +597,15 @@ async def test_fixed_a_write_returns_and_writes_only_once_the_rows_it_evicted_ar
         assert data == _data(k), k
 
 
-async def test_fixed_growth_past_the_budget_ends_back_within_it(tmp_path, slots) -> None:
-    """Fixed bug: held blocks at the budget, no free big row; a call [big B, small S] where S
-    evicts the LRU-oldest key, which is big (E): B grows the big group by one row past the
-    budget, E's stale row is punched to make up for it, then B took E's row (un-punched) and
-    the grown row stayed free: with nothing in flight the tier held a big row past
-    ``disk_budget_nbytes`` (README: "Row blocks stay within capacity_bytes plus one
-    growth step per group"; RowIndex.over_budget: "The tier then punches rows ... until it
-    is back within"). A write batch now ends with a reclaim when the tier is past the
-    budget (io/_writes.py write_batch)."""
+async def test_growth_past_the_budget_ends_back_within_it(tmp_path, slots) -> None:
+    """Regression: held blocks at the budget, no free big row; a call [big B, small S] where
+    S evicts the LRU-oldest key, which is big (E): B grows the big group by one row past
+    the budget, E's stale row is punched to make up for it, then B may take E's row
+    (un-punched), leaving the grown row free. With nothing in flight the tier must not
+    hold a big row past ``disk_budget_nbytes`` (README: "Row blocks stay within
+    capacity_bytes plus one growth step per group"; RowIndex.over_budget: "The tier then
+    punches rows ... until it is back within"): a write batch ends with a reclaim when
+    the tier is past the budget (io/_writes.py write_batch)."""
     root = tmp_path / "nvme"
     cap = 20 * ROW[BIG]
     tier = NVMeTier(**_kw(root, capacity_bytes=cap, grow_ahead=False))

@@ -1,4 +1,4 @@
-"""Review of partial-range loads, stored_range, durable stores without NVMe, inspect, NVMeConfig.
+"""Partial-range loads, stored_range, durable stores without NVMe, inspect, NVMeConfig.
 
 A load asking a key for sub-blocks outside its stored range must fail that key
 alone (``NotStoredError`` in ``failed``, one miss) on the fast and the slow

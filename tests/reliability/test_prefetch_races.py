@@ -1,4 +1,4 @@
-"""Adversarial review of ``TransferEngine.prefetch`` / ``BackgroundEngine.prefetch``.
+"""``TransferEngine.prefetch`` / ``BackgroundEngine.prefetch`` under races and faults.
 
 Races with loads, stores, other prefetches and ``aclose``; cancellation; read
 faults injected through a RowIO wrapper; a CPU tier too small; partial chunks;
@@ -102,7 +102,7 @@ def config(
         root=root,
         io_backend=io_backend,
         capacity_bytes=capacity,
-        namespace="review-prefetch",
+        namespace="prefetch-races",
         segment_nbytes=segment_nbytes,
         request_nbytes=request_nbytes,
         row_io_wrapper=wrapper,  # type: ignore[arg-type]

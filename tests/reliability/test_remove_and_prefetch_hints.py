@@ -1,4 +1,4 @@
-"""Adversarial review of ``kvtier remove`` (2efbb18, d5637e6) and "a prefetch is a hint" (f3bf235).
+"""``kvtier remove`` and "a prefetch is a hint", under races, odd files and bad names.
 
 * ``kvtier.io.remove_namespace`` / ``kvtier remove ROOT NAME``: names with
   path tricks, symlinks in and around the namespace folder (never followed),
@@ -172,16 +172,14 @@ async def test_a_name_with_path_tricks_is_refused_and_nothing_changes(
 async def test_an_overlong_name_is_a_bad_argument_not_an_oserror(
     tmp_path: Path, length: int
 ) -> None:
-    """Was a bug (fixed): a name longer than NAME_MAX escapes as a bare ``OSError`` (ENAMETOOLONG).
+    """Regression: a name longer than NAME_MAX is refused with ``InvalidArgumentError``.
 
-    ``remove_namespace`` checks ``path.is_symlink()`` before anything else
-    (io/_remove.py, ``if path.is_symlink() or not (...)``); pathlib only
-    swallows ENOENT/ENOTDIR/EBADF/ELOOP, so ENAMETOOLONG propagates: the
+    It must not escape as a bare ``OSError`` (ENAMETOOLONG): pathlib's
+    ``path.is_symlink()`` swallows only ENOENT/ENOTDIR/EBADF/ELOOP, the
     docstring promises ``InvalidArgumentError`` for a name that is not a
-    plain name, and ``kvtier remove ROOT <long name>`` (which catches only
-    InvalidArgumentError and NamespaceLockedError) prints a traceback. Fix:
-    catch OSError around the checks (or refuse ``len(os.fsencode(name)) >
-    255``) and raise InvalidArgumentError.
+    plain name, and ``kvtier remove ROOT <long name>`` (which catches
+    InvalidArgumentError and NamespaceLockedError) would print a traceback.
+    ``remove_namespace`` refuses ``len(os.fsencode(name)) > 255`` first.
     """
     root = tmp_path / "nvme"
     root.mkdir()
@@ -311,21 +309,21 @@ async def test_a_namespace_without_a_lock_file_is_removed(tmp_path: Path) -> Non
 def test_an_engine_opening_before_a_removal_never_shares_the_namespace_with_a_newer_one(
     tmp_path: Path,
 ) -> None:
-    """Was a bug (fixed): two live engines end up holding one namespace folder.
+    """Regression: two live engines never end up holding one namespace folder.
 
     Engine A opens ``<ns>/lock`` (io/_files.py ``prepare_directory``:
     ``fd = os.open(directory / "lock", ...)``) and is preempted before its
     ``flock``. ``kvtier remove`` takes the lock, renames the folder away,
     deletes it and unlocks. Engine B opens the same layout: a fresh folder
     with a NEW lock file, which it locks. A resumes: its ``flock`` is on the
-    old, unlinked lock inode, so it succeeds, and A goes on to write
-    ``format.json`` into B's folder and open it. Both engines now write rows
-    into the same segment files. Before ``kvtier remove`` nothing unlinked
-    a lock file, so this could not happen. Fix (the usual lock-file rule):
-    after ``flock`` succeeds, compare ``os.fstat(fd)`` (st_dev, st_ino) with
+    old, unlinked lock inode and succeeds; were that enough, A would write
+    ``format.json`` into B's folder and open it, and both engines would write
+    rows into the same segment files (``kvtier remove`` unlinks lock files,
+    so this can happen). The usual lock-file rule holds: after ``flock``
+    succeeds, ``os.fstat(fd)`` (st_dev, st_ino) is compared with
     ``os.stat(directory / "lock", follow_symlinks=False)``; if they differ
-    (or the path is gone), close and retry (or raise NamespaceLockedError).
-    ``remove_namespace`` needs the same check (next test).
+    (or the path is gone), the engine closes and retries (or raises
+    NamespaceLockedError). ``remove_namespace`` has the same check (next test).
     """
     root = tmp_path / "nvme"
     root.mkdir()
@@ -384,17 +382,18 @@ def test_an_engine_opening_before_a_removal_never_shares_the_namespace_with_a_ne
 def test_a_removal_paused_at_its_flock_never_deletes_a_live_engines_folder(
     tmp_path: Path,
 ) -> None:
-    """Was a bug (fixed): a removal deletes the folder of a live engine.
+    """Regression: a removal never deletes the folder of a live engine.
 
     Removal R2 opens ``<ns>/lock`` (io/_remove.py, ``fd = os.open(path /
     "lock", flags, 0o644)``) and is preempted before its ``flock``. Removal
     R1 of the same name runs to its end (the lock file is unlinked with the
     folder). An engine opens the layout: a fresh folder and a new lock it
     holds. R2 resumes: its ``flock`` is on the old unlinked inode and
-    succeeds, so it renames the live engine's folder away and deletes every
-    row under it. Fix: after ``flock``, check that ``os.fstat(fd)`` is still
-    ``os.stat(path / "lock", follow_symlinks=False)`` (st_dev, st_ino) and
-    refuse (NamespaceLockedError or InvalidArgumentError) otherwise.
+    succeeds; were that enough, it would rename the live engine's folder
+    away and delete every row under it. After ``flock``, R2 checks that
+    ``os.fstat(fd)`` is still ``os.stat(path / "lock", follow_symlinks=False)``
+    (st_dev, st_ino) and refuses (NamespaceLockedError or
+    InvalidArgumentError) otherwise.
     """
     root = tmp_path / "nvme"
     root.mkdir()
@@ -541,17 +540,17 @@ def test_engine_starts_racing_removals_end_typed_or_fresh(tmp_path: Path) -> Non
 
 
 def test_a_read_only_root_is_refused_with_a_message_and_nothing_deleted(tmp_path: Path) -> None:
-    """Was a bug (fixed): ``kvtier remove`` on a read-only ROOT prints a Python traceback.
+    """Regression: ``kvtier remove`` on a read-only ROOT prints a message, not a traceback.
 
     The lock is taken (the namespace folder itself is writable), then
     ``os.rename(path, doomed)`` (io/_remove.py) fails with EACCES/EROFS; the
-    CLI (engine/cli.py ``remove``) catches only InvalidArgumentError and
-    NamespaceLockedError, so the PermissionError escapes as a traceback. The
-    same holds for a deletion that fails part-way (its OSError's message,
-    'rerun with that name', is never shown as a message). Fix: catch
-    OSError in the CLI and raise ``click.ClickException(str(exc))``.
+    CLI (engine/cli.py ``remove``) catches OSError, not only
+    InvalidArgumentError and NamespaceLockedError, so the PermissionError
+    does not escape as a traceback. The same holds for a deletion that fails
+    part-way: its OSError's message, 'rerun with that name', is shown
+    (``click.ClickException(str(exc))``).
     """
-    base = Path(tempfile.mkdtemp(prefix="kvtier-review-ro-"))
+    base = Path(tempfile.mkdtemp(prefix="kvtier-read-only-root-"))
     try:
         os.chmod(base, 0o755)
         root = base / "nvme"
@@ -668,17 +667,17 @@ async def test_an_interrupted_removal_is_invisible_and_the_namespace_starts_fres
 
 
 async def test_a_leftover_of_this_process_does_not_block_a_later_removal(tmp_path: Path) -> None:
-    """Was a bug (fixed): a later removal of the same name in the same process fails with ENOTEMPTY.
+    """Regression: a later removal of the same name in the same process does not fail
+    with ENOTEMPTY.
 
-    The hidden name is ``.kvtier-removing-<pid>-<name>`` (io/_remove.py,
-    ``doomed = base / f"{REMOVING_PREFIX}{os.getpid()}-{name}"``). When an
-    earlier removal of NAME by this process stopped after its rename (its
+    An earlier removal of NAME by this process may stop after its rename (its
     rmtree failed: the OSError says 'rerun with that name'), and an engine
-    has since made NAME again, ``os.rename(path, doomed)`` hits the non-empty
-    leftover and raises OSError(ENOTEMPTY): NAME cannot be removed until the
-    leftover is (and a CLI in a container often runs under the same pid).
-    Fix: a unique hidden name (pid plus a random or counter suffix, or
-    ``tempfile.mkdtemp(dir=root, prefix=...)`` then rename into it).
+    may since have made NAME again. Were the hidden name only
+    ``.kvtier-removing-<pid>-<name>``, ``os.rename(path, doomed)`` would hit
+    the non-empty leftover and raise OSError(ENOTEMPTY): NAME could not be
+    removed until the leftover is (and a CLI in a container often runs under
+    the same pid). The hidden name is unique: the pid plus a random suffix
+    (io/_remove.py, ``doomed``).
     """
     root = tmp_path / "nvme"
     root.mkdir()
@@ -870,17 +869,17 @@ async def test_a_skipped_store_after_a_prefetch_is_the_first_use(
 async def test_a_prefetched_key_evicted_before_its_load_then_loaded_cold_is_used_once(
     tmp_path: Path, eviction: str
 ) -> None:
-    """Was a bug (fixed; arc): an unused prefetch counted, through ARC's ghost list.
+    """Regression (arc): an unused prefetch does not count, through ARC's ghost list.
 
-    A key only on NVMe is prefetched (T1, hinted), evicted before its load
-    (``SlotPool.reserve`` calls ``policy.remove(key, evicted=True)``,
-    engine/_slots.py, so ARC remembers it in B1 as if it had been used), then
-    loaded cold: ``ARCPolicy.insert`` sees a B1 ghost hit, puts the key in T2
-    and grows ``p``. A cold load of the same key without the prefetch leaves
-    it in T1 with ``p`` unchanged: the hint counted as a use. Fix: a victim
-    whose entry is still ``hinted`` leaves the policy without a ghost
-    (``policy.remove(key, evicted=False)``, or a ``remove(..., hinted=True)``).
-    Under LRU the control run holds.
+    A key only on NVMe is prefetched (T1, hinted), evicted before its load,
+    then loaded cold. Were it remembered in B1 as if it had been used
+    (``policy.remove(key, evicted=True)`` in ``SlotPool.reserve``,
+    engine/_slots.py), ``ARCPolicy.insert`` would see a B1 ghost hit, put the
+    key in T2 and grow ``p``, where a cold load of the same key without the
+    prefetch leaves it in T1 with ``p`` unchanged: the hint would count as a
+    use. A victim whose entry is still ``hinted`` leaves the policy without a
+    ghost (``policy.remove(key, evicted=not entry.hinted)``). Under LRU the
+    control run holds.
     """
 
     async def run(prefetch: bool, root: Path) -> tuple[str, float, dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""Break-it review of 03eeb39: failed-sync drops handed to the writer at once
+"""Failed-sync drops handed to the writer at once
 (``NVMeTier.on_sync_drop``), rows failed when their segment's fdatasync failed during
 their batch (``NVMeTier._sync_failures``), and the sequence jump on any invalid row.
 
@@ -7,8 +7,8 @@ of a new segment during a batch, the AIO backend), the writer's reports across c
 reopen, ``aclose(hard=True)`` and ``BackgroundEngine``, and which opens jump.
 
 Faults only through ``row_io_wrapper`` (a real backend underneath) or real files. A test
-headed "Fixed bug" was a strict xfail that failed before its fix (the snapshot of the
-failed-sync count is now taken per run, when its write is submitted).
+headed "Regression" guards against a bug the tier once had (the snapshot of the
+failed-sync count is taken per run, when its write is submitted).
 """
 
 from __future__ import annotations
@@ -98,10 +98,10 @@ async def _failing_flush(tier: NVMeTier, io: SyncGateIO) -> tuple[asyncio.Future
 # ====================================================================== rows wrongly failed
 
 
-# Fixed bug: write_batch snapshots the segment's failed-sync count before its first reclaim, not
-# when the row's write starts. A batch held in that reclaim (blanking a stale row) while
-# another caller's fdatasync fails reserves its row and writes it only afterwards, yet the
-# row is failed: the next good sync would have made it durable (README: only "a row whose
+# Regression: write_batch snapshots the segment's failed-sync count when the row's write
+# starts, not before its first reclaim. A batch held in that reclaim (blanking a stale row)
+# while another caller's fdatasync fails reserves its row and writes it only afterwards, so
+# the row is not failed: the next good sync makes it durable (README: only "a row whose
 # write overlapped" the failed sync is failed).
 async def test_row_reserved_and_written_after_the_failed_sync_returned_is_published(
     tmp_path: pathlib.Path,
@@ -274,9 +274,9 @@ async def _row_written_during_a_failing_sync(
     return result
 
 
-# Fixed bug (minor): the error of a row failed because its segment's fdatasync failed during the
-# batch is built as StorageError(kind, message) without the errno and without a __cause__;
-# the keys the same failure dropped carry errno EIO (as_storage_error of the OSError).
+# Regression (minor): the error of a row failed because its segment's fdatasync failed during
+# the batch carries the errno and a __cause__, not only StorageError(kind, message), as the
+# keys the same failure dropped carry errno EIO (as_storage_error of the OSError).
 async def test_row_failed_by_a_failed_sync_during_its_write_carries_the_syncs_errno(
     tmp_path: pathlib.Path,
 ) -> None:

@@ -1,4 +1,4 @@
-"""Review of the write-through batches, growth ahead and the promotion race (session 3).
+"""The write-through batches, growth ahead and the promotion race.
 
 Write-through batches wait for one of two write slots (``_MAX_BATCHES_IN_FLIGHT``)
 and stay open meanwhile; a hard close drops the batches still waiting. NVMe
