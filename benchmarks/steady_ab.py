@@ -47,8 +47,9 @@ import uvloop
 from tier_io import raw  # benchmarks/ is the script's folder
 
 import kvtier
-import kvtier.io._batches as batches
+import kvtier.io._blanking as blanking
 import kvtier.io._files as files
+import kvtier.io._writes as writes
 from kvtier._slots import HostRegion
 from kvtier.io import NVMeTier, select_backend
 
@@ -67,7 +68,7 @@ def punching() -> Iterator[None]:
 @contextlib.contextmanager
 def overlapped() -> Iterator[None]:
     """Blank a batch's evicted rows while its rows are written (the alternative ordering)."""
-    reserve, settle = batches.reserve_rows, batches.settle_evictions
+    reserve, settle = writes.reserve_rows, writes.settle_evictions
     before_writes: set[int] = set()  # tiers whose next settle is write_batch's first
 
     def reserve_rows(tier: NVMeTier, *a: object) -> object:
@@ -77,15 +78,15 @@ def overlapped() -> Iterator[None]:
     async def settle_evictions(tier: NVMeTier) -> None:
         if id(tier) in before_writes:  # overlap the blanking with the writes
             before_writes.discard(id(tier))
-            tier._spawn(batches.reclaim(tier))
+            tier._spawn(blanking.reclaim(tier))
             return
         await settle(tier)
 
-    batches.reserve_rows, batches.settle_evictions = reserve_rows, settle_evictions  # type: ignore[assignment]
+    writes.reserve_rows, writes.settle_evictions = reserve_rows, settle_evictions  # type: ignore[assignment]
     try:
         yield
     finally:
-        batches.reserve_rows, batches.settle_evictions = reserve, settle
+        writes.reserve_rows, writes.settle_evictions = reserve, settle
 
 
 async def full_tier(

@@ -21,9 +21,8 @@ from kvtier.errors import (
     StorageError,
     UnknownGroupError,
 )
-from kvtier.io import _batches, _files
+from kvtier.io import _blanking, _files, _growth, _reads, _requests, _writes
 from kvtier.io._align import ALIGN, round_up
-from kvtier.io._batches import FAILURE_KINDS
 from kvtier.io._files import GroupSpec, ReadJob, WriteJob
 from kvtier.io._format import (
     HEADER_NBYTES,
@@ -33,6 +32,7 @@ from kvtier.io._format import (
 )
 from kvtier.io._index import RowIndex, RowRef
 from kvtier.io._inspect import other_formats
+from kvtier.io._requests import FAILURE_KINDS
 from kvtier.io._rowio import (
     IO_BACKENDS,
     IOV_MAX,
@@ -214,16 +214,17 @@ class NVMeTier:
         self._ahead_paused: set[int] = set()  # groups whose last growth ahead failed
         self._ahead_failed: set[int] = set()  # groups whose growth ahead failed once (logged)
         self._can_punch = True  # False once fallocate(PUNCH_HOLE) was not supported here
-        # False once punching other groups' keys gave no room, _PUNCH_MISSES times in a row
+        # False once punching other groups' keys gave no room, _PUNCH_MISSES times in a
+        # row (see _disk_space.on_full_disk)
         self._punch_frees = True
-        self._punch_misses = 0  # key punches in a row that gave no room (_punch_for_row)
+        self._punch_misses = 0  # key punches in a row that gave no room (_disk_space)
         self._punch_lock = asyncio.Lock()  # one row at a time punches for room
-        # One future per reclaim whose blanking I/O is in flight (see _batches.reclaim).
+        # One future per reclaim whose blanking I/O is in flight (see _blanking.reclaim).
         self._blanking: set[asyncio.Future[None]] = set()
-        # The future of each group's growth in flight (see _batches._grow_step).
+        # The future of each group's growth in flight (see _growth.grow_step).
         self._growing: dict[int, asyncio.Future[None]] = {}
         # Growths are sized one at a time against the free space, less what the
-        # growths sized and not yet done claimed (see _batches._claim_growth).
+        # growths sized and not yet done claimed (see _growth.claim_growth).
         self._growth_lock = asyncio.Lock()
         self._growth_claims = 0
         self._state = "new"
@@ -259,7 +260,7 @@ class NVMeTier:
         self._counts.update(read_requests=0, write_requests=0, direct_io_fallback=0)
         self._counts.update(reclaim_failures=0)
         # The filesystem filled up below capacity_bytes once (warned once): from then
-        # on, on-demand allocations wait for the punch lock (_batches._take_row).
+        # on, on-demand allocations wait for the punch lock (_writes._take_row).
         self._disk_was_full = False
 
     # -- sizes ------------------------------------------------------------------
@@ -389,7 +390,7 @@ class NVMeTier:
                 )
             if submits(self._row_io):  # a wrapper without submit_* gets blocking calls
                 self._aio = cast("SubmittingRowIO", self._row_io)
-            await _batches.scan(self)
+            await _reads.scan(self)
             others = await self._run(other_formats, self._root, self.directory, self._namespace)
         except BaseException:
             await self._release()
@@ -406,7 +407,7 @@ class NVMeTier:
                 str(self._root),
             )  # fmt: skip
         for group_id in self._specs:  # first segments (or more rows) before the first write
-            _batches.grow_ahead(self, group_id)
+            _growth.grow_ahead(self, group_id)
 
     async def _release(self) -> None:
         row_io, segments, lock_fd = self._row_io, list(self._segments.values()), self._lock_fd
@@ -468,7 +469,7 @@ class NVMeTier:
         try:
             while self._tasks:
                 await asyncio.wait(list(self._tasks))
-            await _batches.reclaim(self)
+            await _blanking.reclaim(self)
             if self._dirty:
                 await self._sync_once()
         finally:
@@ -570,7 +571,7 @@ class NVMeTier:
             if key not in keep:
                 self._index.discard(key)
                 dropped += 1
-        await _batches.reclaim(self)
+        await _blanking.reclaim(self)
         return dropped
 
     def stats(self) -> dict[str, int | float | bool | str]:
@@ -651,7 +652,7 @@ class NVMeTier:
         jobs: list[WriteJob] = []
         seen: set[OffloadKey] = set()
         for pos, (key, start, stop, buf) in enumerate(rows):
-            view = _batches.slot_view(self, key, buf)
+            view = _requests.slot_view(self, key, buf)
             if not 0 <= start < stop <= self._blocks_per_chunk:
                 raise ChunkRangeError(f"{key}: sub-blocks {start}..{stop} outside a chunk")
             if key in seen:
@@ -660,7 +661,7 @@ class NVMeTier:
             jobs.append(WriteJob(key, start, stop, view, pos))
         for job in jobs:  # registered now: a discard() from here on keeps the key unpublished
             job.seq = self._index.begin_write(job.key)
-        task = self._spawn(_batches.write_batch(self, jobs))
+        task = self._spawn(_writes.write_batch(self, jobs))
         self._write_tasks.add(task)
         task.add_done_callback(self._write_tasks.discard)
         return await asyncio.shield(task)
@@ -695,18 +696,18 @@ class NVMeTier:
 
         """
         self._check_open()
-        views = [_batches.slot_view(self, key, buf) for key, buf in rows]
+        views = [_requests.slot_view(self, key, buf) for key, buf in rows]
         results: list[tuple[int, int] | BaseException] = [(0, 0)] * len(views)
         jobs: list[ReadJob] = []
         for pos, ((key, _), view) in enumerate(zip(rows, views, strict=True)):
             entry = self._index.pin(key)
             if entry is None:
                 results[pos] = StorageError("missing", f"{key} is not on NVMe")
-                _batches.fail(self, "missing")
+                _requests.fail(self, "missing")
             else:
                 jobs.append(ReadJob(key, view, entry, pos))
         if jobs:
-            await asyncio.shield(self._spawn(_batches.read_batch(self, jobs, results)))
+            await asyncio.shield(self._spawn(_reads.read_batch(self, jobs, results)))
         return results
 
     # -- durability -------------------------------------------------------------
@@ -748,12 +749,12 @@ class NVMeTier:
             )
             errors = [e for e in outcomes if isinstance(e, BaseException)]
             if errors:
-                err = _batches.as_storage_error(errors[0], "fdatasync of a segment failed")
+                err = _requests.as_storage_error(errors[0], "fdatasync of a segment failed")
                 for segment, rows, outcome in zip(dirty, unsynced, outcomes, strict=True):
                     if isinstance(outcome, BaseException):
                         # rows published while the failed sync ran are not known durable either
                         rows.update(self._unsynced.pop(segment, {}))
-                        failure = _batches.as_storage_error(
+                        failure = _requests.as_storage_error(
                             outcome, f"fdatasync of segment g{segment[0]}/{segment[1]} failed"
                         )
                         count = self._sync_failures.get(segment, (0, failure))[0]
@@ -783,7 +784,7 @@ class NVMeTier:
         group_id, number = segment
         for row, key in rows.items():
             if self._index.drop(key, RowRef(group_id, number, row)):
-                _batches.fail(self, failure.kind)
+                _requests.fail(self, failure.kind)
                 if self.on_sync_drop is not None:
                     self.on_sync_drop(key, failure)
 

@@ -4,7 +4,7 @@ A write whose group has no key of its own to
 take when its segments cannot grow (ENOSPC below ``capacity_bytes``) punches
 free rows of other groups, then evicts and punches their least recently used
 evictable keys (``RowIndex.take_for_disk``), enough for one row
-(``RowIndex.growth_nbytes``), and grows again (``_batches._on_full_disk``);
+(``RowIndex.growth_nbytes``), and grows again (``_disk_space.on_full_disk``);
 skipped where punching is unsupported, and after ``_PUNCH_MISSES`` rounds in a
 row that gave the growth nothing (``tier._punch_frees``), until any
 allocation succeeds again. Rows that punch for room are serialized with
@@ -167,9 +167,9 @@ def _row_blocks(tier: NVMeTier) -> int:
 
 # Regression: after a reopen on tmpfs, _files.data_extents (lseek SEEK_DATA) reports
 # fallocated but never written free rows as holes; RowIndex.rebuild counts them punched and
-# RowIndex.take_for_disk(keys=False) skips them, so _on_full_disk must not evict other groups'
+# RowIndex.take_for_disk(keys=False) skips them, so on_full_disk must not evict other groups'
 # KEYS while those rows hold a whole step of pages. The open punches such free rows
-# (_batches._punch_unsure).
+# (_blanking.punch_unsure).
 async def test_after_a_reopen_on_tmpfs_a_keyless_group_evicts_no_key_while_free_rows_hold_pages(
     tmpfs, slots
 ) -> None:
@@ -191,7 +191,7 @@ async def test_after_a_reopen_on_tmpfs_a_keyless_group_evicts_no_key_while_free_
     tier = await _open(root, groups, capacity_bytes=16 << 20)
     try:
         # lseek cannot tell A's 124 allocated, never written rows from punched ones: the
-        # open punches them (_batches._punch_unsure), which gives B its room
+        # open punches them (_blanking.punch_unsure), which gives B its room
         assert _row_blocks(tier) == 3 * disk_full.ROW[A] == tier._index.held_nbytes
         assert await tier.write_rows(_rows(buf, [_key("b", B)])) == [None]
         _states(tier._index)

@@ -4,16 +4,16 @@ A write whose group has no key
 of its own to take when its segments cannot grow (ENOSPC below
 ``capacity_bytes``) punches rows of other groups for one row under a tier-wide
 ``asyncio.Lock`` (``tier._punch_lock``, taken while the group's segment lock is
-held, ``_batches._on_full_disk`` -> ``_batches._punch_for_row``): up to four
+held, ``_disk_space.on_full_disk`` -> ``_disk_space._punch_for_row``): up to four
 rounds of their free rows (``RowIndex.take_for_disk(keys=False, skip=...)``),
 each followed by a one-row
-growth (``_grow_row``), then up to two rounds of their least recently used
+growth (``_growth.grow_row``), then up to two rounds of their least recently used
 keys. Once the filesystem was seen full (``tier._disk_was_full``) every
-on-demand allocation (``_batches._allocate``: fill a punched row, or grow)
-runs under that lock too. Background growth ahead (``_grow_ahead``) does not.
+on-demand allocation (``_writes._allocate``: fill a punched row, or grow)
+runs under that lock too. Background growth ahead (``_growth._grow_ahead``) does not.
 At open, rows the extents do not cover whole count as punched; where FIEMAP is
 not answered (tmpfs) ``lseek(SEEK_DATA)`` finds them, and the free rows it
-cannot vouch for are punched at open (``_batches._punch_unsure``).
+cannot vouch for are punched at open (``_blanking.punch_unsure``).
 
 Beyond ``test_nvme_keyless_punch.py``, these tests look at hangs between the
 punch lock, segment locks, growth ahead, growth futures (``tier._growing``),
@@ -202,7 +202,7 @@ def _call_keys(
 # written free rows that _files.data_extents (lseek SEEK_DATA) reports as holes as punched;
 # held_nbytes must not then leave out blocks the files hold (take_to_punch skipping them and
 # over_budget never seeing them, the segment files would hold more than disk_budget_nbytes
-# for good). The open punches those free rows (_batches._punch_unsure), so the count is exact.
+# for good). The open punches those free rows (_blanking.punch_unsure), so the count is exact.
 async def test_after_a_reopen_on_tmpfs_the_files_hold_no_more_than_the_disk_budget(
     tmpfs, slots
 ) -> None:

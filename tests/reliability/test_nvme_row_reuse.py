@@ -284,7 +284,7 @@ async def test_reopen_punches_holes_not_free_rows_that_hold_blocks(tmp_path, slo
 
 
 async def test_growth_one_row_past_the_budget_punches_one_row_not_two(tmp_path, slots) -> None:
-    """Regression: two concurrent reclaims (write_batch's and _grow_step's) do not each count the
+    """Regression: two concurrent reclaims (write_batch's and grow_step's) do not each count the
     same excess over the budget, so a growth one row past it punches one freed row, not two.
     """
     buf = slots(1)

@@ -2,9 +2,9 @@
 
 A group's segments grow by a whole step (ahead of need or on
 demand) only while ``statvfs`` shows ``_FREE_STEPS`` (4) such steps free, else
-by one row (``_batches._claim_growth``); a growth that fails with ENOSPC or
+by one row (``_growth.claim_growth``); a growth that fails with ENOSPC or
 EDQUOT while another group's growth is in flight waits for it and tries once
-more (``_batches._on_full_disk``); growth-ahead failures log at INFO once per
+more (``_disk_space.on_full_disk``); growth-ahead failures log at INFO once per
 group. So one group's first step does not take a whole small filesystem,
 where another group, with no row and no key to take, would fail every write.
 
@@ -79,7 +79,7 @@ def _kinds(results: list[BaseException | None]) -> list[str | None]:
 # row and no key of its own, and capacity_bytes is not reached; it must not fail every write
 # with 'enospc', for good (a reopen too). A write whose group has no key of its own to take
 # punches free rows of other groups, then their least recently used keys, enough for its row,
-# and grows (_batches._on_full_disk, RowIndex.take_for_disk); later writes of that group reuse
+# and grows (_disk_space.on_full_disk, RowIndex.take_for_disk); later writes of that group reuse
 # its own keys' rows as every group does on a full filesystem, so a group gets as many rows
 # as its largest call holds keys.
 @pytest.mark.parametrize("grow_ahead", [False, True])
@@ -182,7 +182,7 @@ async def test_a_write_into_a_hole_the_index_did_not_know_of_punches_that_row(tm
 # their headers), four steps would take it all and the fifth group, with no segment, no row
 # and no key to take, would fail every write with 'enospc' for good. Growths are sized one at
 # a time, against the free space less what the growths sized and not yet done claimed
-# (_batches._claim_growth)
+# (_growth.claim_growth)
 @pytest.mark.parametrize("grow_ahead", [False, True])
 async def test_five_groups_growing_at_once_on_four_free_steps_all_keep_storing(
     tmpfs, slots, grow_ahead

@@ -547,7 +547,7 @@ async def test_a_write_returns_and_writes_only_once_the_rows_it_evicted_are_blan
 
     A batch blanks (or waits for another reclaim to blank) the rows it evicted BEFORE
     it writes its own rows, and returns only once they are blank
-    (io/_batches.py settle_evictions): while E's blanking is held, A has neither returned
+    (io/_blanking.py settle_evictions): while E's blanking is held, A has neither returned
     nor written its row, so a crash leaves no more valid rows than capacity_bytes and
     every flushed key survives; afterwards E stays gone.
     """
@@ -605,7 +605,7 @@ async def test_growth_past_the_budget_ends_back_within_it(tmp_path, slots) -> No
     hold a big row past ``disk_budget_nbytes`` (README: "Row blocks stay within
     capacity_bytes plus one growth step per group"; RowIndex.over_budget: "The tier then
     punches rows ... until it is back within"): a write batch ends with a reclaim when
-    the tier is past the budget (io/_batches.py write_batch)."""
+    the tier is past the budget (io/_writes.py write_batch)."""
     root = tmp_path / "nvme"
     cap = 20 * ROW[BIG]
     tier = NVMeTier(**_kw(root, capacity_bytes=cap, grow_ahead=False))
