@@ -84,12 +84,14 @@ class HeldWrites(DelegatingRowIO):
         return self.inner.pwritev(handle, bufs, file_offset)
 
 
+@pytest.mark.parametrize("restart", [False, True], ids=["running", "restarted"])
 @pytest.mark.parametrize("seed", SEEDS)
 async def test_tier_evicts_the_first_call_whatever_order_its_writes_finish(
-    tmp_path: Path, slots: Any, seed: int
+    tmp_path: Path, slots: Any, seed: int, restart: bool
 ) -> None:
     """Three awaited-later calls of three groups finish in a random order; a
-    filler that needs exactly the first call's room evicts the first call."""
+    filler that needs exactly the first call's room evicts the first call,
+    also in a tier reopened after the writes (ranked by sequence numbers)."""
     rng = random.Random(seed)
     groups = [0, 1, 2]
     rng.shuffle(groups)
@@ -104,16 +106,15 @@ async def test_tier_evicts_the_first_call_whatever_order_its_writes_finish(
     probe = NVMeTier(**tier_kwargs(tmp_path / "probe", layout_description=layout))
     row = {g: probe.row_nbytes(g) for g in range(3)}
     capacity = 2 * sum(row.values())
-    tier = NVMeTier(
-        **tier_kwargs(
-            tmp_path / "nvme",
-            layout_description=layout,
-            capacity_bytes=capacity,
-            eviction_window=1,
-            io_threads=4,  # a thread for each group's held write, and one more
-            row_io_wrapper=wrap,
-        )
+    kwargs = tier_kwargs(
+        tmp_path / "nvme",
+        layout_description=layout,
+        capacity_bytes=capacity,
+        eviction_window=1,
+        io_threads=4,  # a thread for each group's held write, and one more
+        row_io_wrapper=wrap,
     )
+    tier = NVMeTier(**kwargs)
     await tier.open()
     try:
         buf = slots(8, 32 * 1024)
@@ -135,6 +136,11 @@ async def test_tier_evicts_the_first_call_whatever_order_its_writes_finish(
             events[groups[i]].set()
             assert await tasks[i] == [None, None]
         io.armed = False
+        if restart:
+            await tier.close()
+            tier = NVMeTier(**kwargs)
+            await tier.open()
+            assert set(tier.keys()) == {k for keys in calls for k in keys}
         first = calls[0]
         filler = [key(100 + j, first[0].group_id) for j in range(2)]
         rows = [
