@@ -83,6 +83,25 @@ def one_group(num_blocks: int = 64, seed: int = 11) -> tuple[kvtier.KVLayout, to
     return layout, t, layout.slot_nbytes(1)
 
 
+def filled_layout(
+    shape: tuple[int, ...], *, dtype: torch.dtype = torch.uint8, seed: int = 11, name: str = "kv"
+) -> tuple[kvtier.KVLayout, torch.Tensor]:
+    """One group of one tensor of ``shape`` (block dim 0) filled at random.
+
+    Args:
+        shape: The tensor's shape; ``shape[0]`` is the number of GPU blocks.
+        dtype: Its dtype.
+        seed: The fill's seed (:func:`fill_random`).
+        name: The layer's name (it enters the NVMe format digest).
+
+    Returns:
+        The layout (group 0) and the tensor.
+    """
+    t = torch.empty(shape, dtype=dtype)
+    fill_random(t, seed)
+    return kvtier.KVLayout.from_tensors({0: {name: t}}), t
+
+
 def chunk_chain(name: str, n: int, first_block: int, group_id: int = 0) -> list[kvtier.Chunk]:
     """``n`` one-block chunks ``{name}0 .. {name}{n-1}`` on consecutive blocks, head first."""
     return [kvtier.Chunk(key(f"{name}{i}", group_id), [first_block + i]) for i in range(n)]

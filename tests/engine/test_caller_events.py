@@ -22,7 +22,7 @@ import torch
 
 import kvtier
 from kvtier import _transfer
-from tests.engine.helpers import fill_random, key, same
+from tests.engine.helpers import filled_layout, key, same
 
 
 class _Marker:
@@ -59,12 +59,6 @@ def jobs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[Any]]]:
     return recorded
 
 
-def _layout() -> tuple[kvtier.KVLayout, torch.Tensor]:
-    t = torch.empty((32, 2, 64), dtype=torch.float16)
-    fill_random(t, 3)
-    return kvtier.KVLayout.from_tensors({0: {"t": t}}), t
-
-
 def _names(after: list[Any]) -> list[str]:
     return [repr(a) for a in after]
 
@@ -72,7 +66,7 @@ def _names(after: list[Any]) -> list[str]:
 async def test_coalesced_calls_pass_every_callers_mark_to_their_job(
     jobs: list[tuple[str, list[Any]]],
 ) -> None:
-    layout, t = _layout()
+    layout, t = filled_layout((32, 2, 64), dtype=torch.float16, seed=3, name="t")
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 2)) as engine:
         a, b = kvtier.Chunk(key("a", 0), [0, 1]), kvtier.Chunk(key("b", 0), [2, 3])
         await asyncio.gather(engine.store([a]), engine.store([b]))  # marks 0, 1: one job
@@ -86,7 +80,7 @@ async def test_coalesced_calls_pass_every_callers_mark_to_their_job(
 
 
 async def test_an_explicit_after_is_passed_as_given(jobs: list[tuple[str, list[Any]]]) -> None:
-    layout, _ = _layout()
+    layout, _ = filled_layout((32, 2, 64), dtype=torch.float16, seed=3, name="t")
     mine = _Marker(99)
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 2)) as engine:
         await engine.store([kvtier.Chunk(key("x", 0), [5])], after=mine)
@@ -98,7 +92,7 @@ async def test_the_slow_load_path_keeps_the_mark_of_its_call(
     jobs: list[tuple[str, list[Any]]], tmp_path: Path
 ) -> None:
     """A load that waits for a store in flight, and one that promotes from NVMe."""
-    layout, t = _layout()
+    layout, t = filled_layout((32, 2, 64), dtype=torch.float16, seed=3, name="t")
     nvme = kvtier.NVMeConfig(root=str(tmp_path), capacity_bytes=16 << 20, namespace="ev")
     config = kvtier.EngineConfig(layout.slot_nbytes(2), 2, nvme=nvme)  # one slot
     async with kvtier.TransferEngine(layout, config) as engine:
@@ -128,7 +122,7 @@ async def test_the_slow_load_path_keeps_the_mark_of_its_call(
 async def test_a_failed_jobs_calls_are_copied_again_each_with_its_own_mark(
     jobs: list[tuple[str, list[Any]]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    layout, _ = _layout()
+    layout, _ = filled_layout((32, 2, 64), dtype=torch.float16, seed=3, name="t")
     real = _transfer.run_plan
     failures = iter([True])
 
@@ -152,7 +146,7 @@ async def test_a_failed_jobs_calls_are_copied_again_each_with_its_own_mark(
 
 
 def test_background_engine_passes_the_callers_after(jobs: list[tuple[str, list[Any]]]) -> None:
-    layout, _ = _layout()
+    layout, _ = filled_layout((32, 2, 64), dtype=torch.float16, seed=3, name="t")
     mine = _Marker(7)
     with kvtier.BackgroundEngine(layout, kvtier.EngineConfig(1 << 20, 2)) as engine:
         engine.store([kvtier.Chunk(key("bg", 0), [4])], after=mine).result(30)

@@ -18,21 +18,15 @@ import pytest
 import torch
 
 import kvtier
-from tests.engine.helpers import chunk_chain, equal_groups, fill_random, keys_of
+from tests.engine.helpers import chunk_chain, equal_groups, filled_layout, keys_of
 
 M, C, N = kvtier.Residency.MISS, kvtier.Residency.CPU, kvtier.Residency.NVME
 BLOCK = 4096  # payload bytes of one block: a slot (and a row) is 8 KiB with its trailer
 
 
-def _layout() -> tuple[kvtier.KVLayout, torch.Tensor]:
-    t = torch.empty((64, BLOCK), dtype=torch.uint8)
-    fill_random(t, 3)
-    return kvtier.KVLayout.from_tensors({0: {"kv": t}}), t
-
-
 @pytest.mark.parametrize("eviction", ["lru", "arc"])
 async def test_a_chain_stored_in_one_call_loses_its_tail_first(eviction: str) -> None:
-    layout, _ = _layout()
+    layout, _ = filled_layout((64, BLOCK), seed=3)
     probe = kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 1))
     config = kvtier.EngineConfig(4 * probe.slot_nbytes, 1, eviction=eviction)
     async with kvtier.TransferEngine(layout, config) as engine:
@@ -46,7 +40,7 @@ async def test_a_chain_stored_in_one_call_loses_its_tail_first(eviction: str) ->
 
 
 async def test_a_chain_loaded_in_one_call_loses_its_tail_first() -> None:
-    layout, t = _layout()
+    layout, t = filled_layout((64, BLOCK), seed=3)
     probe = kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 1))
     config = kvtier.EngineConfig(6 * probe.slot_nbytes, 1)
     async with kvtier.TransferEngine(layout, config) as engine:
@@ -69,7 +63,7 @@ async def test_a_chain_loaded_in_one_call_loses_its_tail_first() -> None:
 
 
 async def test_present_keys_of_a_store_are_touched_tail_first() -> None:
-    layout, _ = _layout()
+    layout, _ = filled_layout((64, BLOCK), seed=3)
     probe = kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 1))
     config = kvtier.EngineConfig(4 * probe.slot_nbytes, 1)
     async with kvtier.TransferEngine(layout, config) as engine:
@@ -87,7 +81,7 @@ async def test_present_keys_of_a_store_are_touched_tail_first() -> None:
 
 
 async def test_a_prefetched_chain_loses_its_tail_first(tmp_path: Path) -> None:
-    layout, _ = _layout()
+    layout, _ = filled_layout((64, BLOCK), seed=3)
     probe = kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 1))
     nvme = kvtier.NVMeConfig(root=tmp_path, capacity_bytes=1 << 24, namespace="chain")
     chain = chunk_chain("a", 4, 0)
@@ -115,7 +109,7 @@ async def test_a_prefetched_chain_loses_its_tail_first(tmp_path: Path) -> None:
 async def test_nvme_rows_of_a_chain_are_evicted_tail_first_also_after_a_restart(
     tmp_path: Path,
 ) -> None:
-    layout, t = _layout()
+    layout, t = filled_layout((64, BLOCK), seed=3)
     probe = kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 1))
     row = probe.slot_nbytes  # one group: a row is a slot (payload + 4 KiB trailer)
     nvme = kvtier.NVMeConfig(
@@ -155,7 +149,7 @@ async def test_a_chain_of_hits_and_promotions_loses_its_tail_first(
     tmp_path: Path, eviction: str, call: str
 ) -> None:
     """A load (or prefetch) whose middle key is promoted: its hits were marked first."""
-    layout, t = _layout()
+    layout, t = filled_layout((64, BLOCK), seed=3)
     probe = kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 1))
     chain = chunk_chain("a", 3, 0)
     nvme = kvtier.NVMeConfig(root=tmp_path, capacity_bytes=1 << 24, namespace="mixed")

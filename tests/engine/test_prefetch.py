@@ -17,19 +17,13 @@ from kvtier.errors import (
     StorageError,
     UnknownGroupError,
 )
-from tests.engine.helpers import fill_random, key, same
+from tests.engine.helpers import filled_layout, key, same
 
 BPC = 2
 
 
-def _layout(seed: int = 5) -> tuple[kvtier.KVLayout, torch.Tensor]:
-    t = torch.empty((16, 8192), dtype=torch.uint8)
-    fill_random(t, seed)
-    return kvtier.KVLayout.from_tensors({0: {"a": t}}), t
-
-
 def _config(root: Path, slots: int = 8) -> kvtier.EngineConfig:
-    layout, _ = _layout()
+    layout, _ = filled_layout((16, 8192), seed=5, name="a")
     nv = kvtier.NVMeConfig(
         root=root, capacity_bytes=16 << 20, namespace="prefetch", segment_nbytes=1 << 20
     )
@@ -42,7 +36,7 @@ def _chunks(n: int = 4) -> list[kvtier.Chunk]:
 
 async def _stored_on_nvme(root: Path, n: int = 4) -> tuple[kvtier.KVLayout, torch.Tensor]:
     """Store ``n`` chunks durably, close: a new engine finds them on NVMe only."""
-    layout, t = _layout()
+    layout, t = filled_layout((16, 8192), seed=5, name="a")
     async with kvtier.TransferEngine(layout, _config(root)) as engine:
         await engine.store(_chunks(n), durable=True)
     return layout, t
@@ -138,7 +132,7 @@ async def test_keys_without_a_slot_fail_and_the_others_are_promoted(tmp_path: Pa
 
 
 async def test_a_store_in_flight_is_waited_for(tmp_path: Path) -> None:
-    layout, _ = _layout()
+    layout, _ = filled_layout((16, 8192), seed=5, name="a")
     async with kvtier.TransferEngine(layout, _config(tmp_path)) as engine:
         chunk = _chunks(1)[0]
         store = asyncio.ensure_future(engine.store([chunk]))
@@ -175,7 +169,7 @@ async def test_bad_input_raises_and_changes_nothing(
 
 
 async def test_without_nvme_every_key_is_resident_or_failed() -> None:
-    layout, _ = _layout()
+    layout, _ = filled_layout((16, 8192), seed=5, name="a")
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, BPC)) as engine:
         chunk = _chunks(1)[0]
         await engine.store([chunk])
@@ -185,7 +179,7 @@ async def test_without_nvme_every_key_is_resident_or_failed() -> None:
 
 
 async def test_closed_engine_refuses(tmp_path: Path) -> None:
-    layout, _ = _layout()
+    layout, _ = filled_layout((16, 8192), seed=5, name="a")
     engine = kvtier.TransferEngine(layout, _config(tmp_path))
     with pytest.raises(kvtier.EngineClosedError):
         await engine.prefetch([key("k", 0)])

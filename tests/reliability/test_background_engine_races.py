@@ -60,7 +60,7 @@ from kvtier.errors import (
 )
 from kvtier.io import inspect_root, remove_namespace
 
-from ..engine.helpers import fill_random, key, same
+from ..engine.helpers import fill_random, filled_layout, key, same
 from ..io.faults import DelegatingRowIO
 from ._faultio import KeyFault, Wrapper
 
@@ -70,12 +70,6 @@ R = kvtier.Residency
 
 
 # ====================================================================== helpers
-
-
-def _layout(nb: int = 32, seed: int = 71, page: int = 4096) -> tuple[kvtier.KVLayout, torch.Tensor]:
-    t = torch.empty((nb, page), dtype=torch.uint8)
-    fill_random(t, seed)
-    return kvtier.KVLayout.from_tensors({0: {"a": t}}), t
 
 
 def _nvme(
@@ -149,7 +143,7 @@ def _unstick_engine_thread(bg: kvtier.BackgroundEngine) -> None:
 def test_background_close_from_two_threads_both_return_after_the_engine_is_closed(
     tmp_path: Path,
 ) -> None:
-    layout, _ = _layout()
+    layout, _ = filled_layout((32, 4096), seed=71, name="a")
     slow = key("slow", 0)
     fault = KeyFault("write", "block", hashes=frozenset({slow.block_hash}))
     bg = kvtier.BackgroundEngine(layout, _cfg(layout, 4, _nvme(tmp_path, wrapper=Wrapper(fault))))
@@ -180,7 +174,7 @@ def test_background_close_from_two_threads_both_return_after_the_engine_is_close
 def test_background_cancel_of_a_finished_load_does_not_wait_for_other_durable_stores(
     tmp_path: Path,
 ) -> None:
-    layout, t = _layout()
+    layout, t = filled_layout((32, 4096), seed=71, name="a")
     a, slow = key("a", 0), key("slow", 0)
     fault = KeyFault("write", "block", hashes=frozenset({slow.block_hash}))
     bg = kvtier.BackgroundEngine(layout, _cfg(layout, 4, _nvme(tmp_path, wrapper=Wrapper(fault))))
@@ -204,7 +198,7 @@ def test_background_cancel_of_a_finished_load_does_not_wait_for_other_durable_st
 # Regression: BackgroundEngine.close() does not swallow the StorageError of a failed final
 # fdatasync that TransferEngine.aclose() raises (_shutdown must not suppress Exception)
 def test_background_close_reports_a_failed_final_fdatasync(tmp_path: Path) -> None:
-    layout, _ = _layout()
+    layout, _ = filled_layout((32, 4096), seed=71, name="a")
     wrap = Wrapper()
     bg = kvtier.BackgroundEngine(layout, _cfg(layout, 4, _nvme(tmp_path, wrapper=wrap)))
     bg.start()
@@ -224,7 +218,7 @@ def test_background_close_reports_a_failed_final_fdatasync(tmp_path: Path) -> No
 
 def test_transfer_engine_aclose_raises_the_failed_final_fdatasync(tmp_path: Path) -> None:
     """Control for the test above: the engine itself reports it."""
-    layout, _ = _layout()
+    layout, _ = filled_layout((32, 4096), seed=71, name="a")
     wrap = Wrapper()
 
     async def main() -> None:
@@ -242,7 +236,7 @@ def test_transfer_engine_aclose_raises_the_failed_final_fdatasync(tmp_path: Path
 # Regression: a BackgroundEngine call made on the engine thread (a Future's done callback)
 # returns or raises, instead of deadlocking the engine forever
 def test_background_call_from_a_done_callback_does_not_deadlock() -> None:
-    layout, _ = _layout()
+    layout, _ = filled_layout((32, 4096), seed=71, name="a")
     bg = kvtier.BackgroundEngine(layout, _cfg(layout, 4))
     bg.start()
     a = key("a", 0)
@@ -271,7 +265,7 @@ def test_background_call_from_a_done_callback_does_not_deadlock() -> None:
 # Regression: BackgroundEngine.cancel(not_a_future) raises a typed InvalidArgumentError, not
 # AttributeError
 def test_background_cancel_of_a_non_future_is_a_typed_error() -> None:
-    layout, _ = _layout()
+    layout, _ = filled_layout((32, 4096), seed=71, name="a")
     with (
         kvtier.BackgroundEngine(layout, _cfg(layout, 4)) as bg,
         pytest.raises(InvalidArgumentError),
@@ -288,7 +282,7 @@ def _blocked_durable_store(
     Yields ``(engine, the store's Future, its key)``; on exit the write is
     released, the store awaited and the engine closed.
     """
-    layout, _ = _layout()
+    layout, _ = filled_layout((32, 4096), seed=71, name="a")
     slow = key("slow", 0)
     fault = KeyFault("write", "block", hashes=frozenset({slow.block_hash}))
     bg = kvtier.BackgroundEngine(layout, _cfg(layout, 4, _nvme(tmp_path, wrapper=Wrapper(fault))))
@@ -318,7 +312,7 @@ def test_background_cancel_with_a_bad_timeout_changes_nothing(tmp_path: Path) ->
 
 
 def test_background_calls_after_close_raise_at_once_and_close_is_idempotent(tmp_path: Path) -> None:
-    layout, t = _layout()
+    layout, t = filled_layout((32, 4096), seed=71, name="a")
     a = key("a", 0)
     bg = kvtier.BackgroundEngine(layout, _cfg(layout, 4, _nvme(tmp_path)))
     bg.start()
@@ -511,7 +505,7 @@ class _SlowOpen(DelegatingRowIO):
 async def test_aclose_during_start_leaves_the_engine_closed_and_the_namespace_free(
     tmp_path: Path,
 ) -> None:
-    layout, _ = _layout()
+    layout, _ = filled_layout((32, 4096), seed=71, name="a")
     async with kvtier.TransferEngine(layout, _cfg(layout, 4, _nvme(tmp_path))) as first:
         await first.store([kvtier.Chunk(key("k", 0), [0, 1])], durable=True)
     _SlowOpen.entered.clear()
@@ -553,7 +547,7 @@ async def test_aclose_during_start_leaves_the_engine_closed_and_the_namespace_fr
 # (_prepare_store by_key)
 @pytest.mark.parametrize("policy", ["lru", "arc"])
 async def test_store_never_evicts_a_present_key_of_the_same_call(policy: str) -> None:
-    layout, _t = _layout()
+    layout, _t = filled_layout((32, 4096), seed=71, name="a")
     a, b, c = key("a", 0), key("b", 0), key("c", 0)
     async with kvtier.TransferEngine(layout, _cfg(layout, 2, eviction=policy)) as engine:
         await engine.store([kvtier.Chunk(a, [0, 1])])
@@ -590,7 +584,7 @@ async def test_full_tier_with_pinned_fresh_keys_rejects_and_arc_keeps_the_hot_ke
     Once the rows are written, a scan of one-time keys evicts the hot key under
     LRU but not under ARC.
     """
-    layout, t = _layout(nb=64)
+    layout, t = filled_layout((64, 4096), seed=71, name="a")
     hot = key("hot", 0)
     fresh = [key(f"f{i}", 0) for i in range(3)]
     fault = KeyFault("write", "block", hashes=frozenset(k.block_hash for k in fresh))
@@ -928,8 +922,8 @@ def test_inspect_and_remove_on_odd_roots(tmp_path: Path) -> None:
 async def test_inspect_and_remove_a_namespace_of_another_format_next_to_a_live_engine(
     tmp_path: Path,
 ) -> None:
-    old_layout, _ = _layout(page=4096, seed=1)
-    new_layout, t = _layout(page=8192, seed=2)
+    old_layout, _ = filled_layout((32, 4096), seed=1, name="a")
+    new_layout, t = filled_layout((32, 8192), seed=2, name="a")
     async with kvtier.TransferEngine(old_layout, _cfg(old_layout, 4, _nvme(tmp_path))) as old:
         await old.store(
             [kvtier.Chunk(key(i, 0), [2 * i, 2 * i + 1]) for i in range(3)], durable=True
@@ -972,7 +966,7 @@ async def test_inspect_and_remove_a_namespace_of_another_format_next_to_a_live_e
 # finds no slot does (not nowhere for prefetch, nor only in load_failures for a load); it is
 # not a failed read (the row stays on NVMe), so ``failures`` stays empty.
 async def test_a_promotion_without_a_free_slot_is_counted_as_rejected(tmp_path: Path) -> None:
-    layout, _ = _layout()
+    layout, _ = filled_layout((32, 4096), seed=71, name="a")
     k, x = key("k", 0), key("x", 0)
     async with kvtier.TransferEngine(layout, _cfg(layout, 4, _nvme(tmp_path))) as engine:
         await engine.store([kvtier.Chunk(k, [0, 1])], durable=True)
@@ -998,7 +992,7 @@ async def test_a_promotion_without_a_free_slot_is_counted_as_rejected(tmp_path: 
 async def test_stats_stay_consistent_after_read_and_write_failures_and_bad_input(
     tmp_path: Path,
 ) -> None:
-    layout, t = _layout(nb=48)
+    layout, t = filled_layout((48, 4096), seed=71, name="a")
     ref = t.clone()
     bad_read, bad_write, good = key("r", 0), key("w", 0), key("g", 0)
     async with kvtier.TransferEngine(layout, _cfg(layout, 4, _nvme(tmp_path))) as engine:
