@@ -42,7 +42,7 @@ from kvtier.errors import (
 from kvtier.io import inspect_root
 from kvtier.io._inspect import folders_of, other_formats
 
-from ..engine.helpers import key, same
+from ..engine.helpers import filled_layout, key, same
 from ..io.faults import DelegatingRowIO
 from ._faultio import KeyFault, Wrapper
 from .test_background_engine_races import (
@@ -50,7 +50,6 @@ from .test_background_engine_races import (
     _blocked_durable_store,
     _cfg,
     _closed_seen,
-    _layout,
     _nvme,
     _wait_for,
 )
@@ -95,7 +94,7 @@ class _GatedOpenClose(DelegatingRowIO):
 
 
 async def _store_one_row(root: Path, ns: str = "races") -> kvtier.KVLayout:
-    layout, _ = _layout()
+    layout, _ = filled_layout((32, 4096), seed=71, name="a")
     async with kvtier.TransferEngine(layout, _cfg(layout, 4, _nvme(root, ns=ns))) as first:
         await first.store([kvtier.Chunk(key("k", 0), [0, 1])], durable=True)
     return layout
@@ -202,7 +201,7 @@ def test_background_cancel_with_a_bad_timeout_cancels_nothing(tmp_path: Path, ti
 
 def test_background_calls_from_a_done_callback_query_or_refuse_without_side_effects() -> None:
     """Holds: on the engine thread, queries answer; cancel()/close() raise and change nothing."""
-    layout, t = _layout()
+    layout, t = filled_layout((32, 4096), seed=71, name="a")
     a, b = key("a", 0), key("b", 0)
     bg = kvtier.BackgroundEngine(layout, _cfg(layout, 4))
     bg.start()
@@ -249,7 +248,7 @@ def test_background_calls_from_a_done_callback_query_or_refuse_without_side_effe
 
 
 def test_background_cancel_of_a_finished_future_returns_false_and_close_twice_returns() -> None:
-    layout, _ = _layout()
+    layout, _ = filled_layout((32, 4096), seed=71, name="a")
     bg = kvtier.BackgroundEngine(layout, _cfg(layout, 4))
     with bg:
         fut = bg.store([kvtier.Chunk(key("a", 0), [0, 1])])
@@ -308,7 +307,7 @@ async def test_open_warning_skips_odd_entries_and_names_only_real_other_formats(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Holds: FIFOs, non-UTF-8, non-object, deep or directory format.json, symlink loops."""
-    old_layout, _ = _layout(page=8192)
+    old_layout, _ = filled_layout((32, 8192), seed=71, name="a")
     async with kvtier.TransferEngine(old_layout, _cfg(old_layout, 4, _nvme(tmp_path))) as old:
         await old.store([kvtier.Chunk(key("o", 0), [0, 1])], durable=True)
         old_name = old._nvme.directory.name
@@ -334,7 +333,7 @@ async def test_open_warning_skips_odd_entries_and_names_only_real_other_formats(
     (tmp_path / "loop-0123456789abcdef").symlink_to("loop-0123456789abcdef")
     (tmp_path / "dangling-0123456789abcdef").symlink_to(tmp_path / "nowhere")
     os.mkfifo(tmp_path / "pipe-0123456789abcdef")
-    layout, t = _layout()
+    layout, t = filled_layout((32, 4096), seed=71, name="a")
     with caplog.at_level(logging.WARNING, logger="kvtier.io"):
         engine = kvtier.TransferEngine(layout, _cfg(layout, 4, _nvme(tmp_path)))
         await asyncio.wait_for(engine.start(), 30)
@@ -360,8 +359,8 @@ async def test_open_warning_does_not_call_a_live_engines_folder_unused(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Blue/green on one host: the old server (old layout) still runs as the new one starts."""
-    old_layout, _ = _layout(page=8192)
-    new_layout, _ = _layout(page=4096)
+    old_layout, _ = filled_layout((32, 8192), seed=71, name="a")
+    new_layout, _ = filled_layout((32, 4096), seed=71, name="a")
     async with kvtier.TransferEngine(old_layout, _cfg(old_layout, 4, _nvme(tmp_path))) as old:
         await old.store([kvtier.Chunk(key("o", 0), [0, 1])], durable=True)
         live = old._nvme.directory.name
@@ -390,7 +389,8 @@ def test_other_formats_is_read_only_and_names_no_removing_folder(tmp_path: Path)
 # ====================================================================== kvtier inspect
 
 
-# Regression: kvtier inspect does not crash (TypeError in _format_summary) on a format.json whose
+# Regression: kvtier inspect does not crash (TypeError in format_summary,
+# engine/_inspect_text.py) on a format.json whose
 # layout.groups or a group's layers is not a list; inspect reports garbage, never raises
 @pytest.mark.parametrize(
     "layout_json", [{"groups": 5}, {"groups": [{"group_id": 0, "layers": 7}]}, {"groups": True}]
@@ -452,7 +452,7 @@ def _tmpfs_root() -> Path | None:
 
 
 # Regression: kvtier inspect does not crash (OSError EOVERFLOW from time.gmtime in
-# _format_summary) when a file in a namespace folder has an mtime beyond the year range (tmpfs
+# format_summary) when a file in a namespace folder has an mtime beyond the year range (tmpfs
 # keeps it)
 def test_inspect_survives_a_far_future_modification_time() -> None:
     root = _tmpfs_root()
@@ -513,7 +513,7 @@ async def test_remove_messages_with_yes_and_nothing_removed_without_an_answer(
 
 
 async def test_a_rejected_promotion_by_a_load_is_counted_once_as_rejected(tmp_path: Path) -> None:
-    layout, _ = _layout()
+    layout, _ = filled_layout((32, 4096), seed=71, name="a")
     k, x = key("k", 0), key("x", 0)
     async with kvtier.TransferEngine(layout, _cfg(layout, 4, _nvme(tmp_path))) as engine:
         await engine.store([kvtier.Chunk(k, [0, 1])], durable=True)
@@ -541,7 +541,7 @@ async def test_a_rejected_promotion_by_a_load_is_counted_once_as_rejected(tmp_pa
 async def test_control_transfer_engine_hard_aclose_during_a_soft_aclose_drops_queued_rows(
     tmp_path: Path,
 ) -> None:
-    layout, _ = _layout()
+    layout, _ = filled_layout((32, 4096), seed=71, name="a")
     s1, s2, k3 = key("s1", 0), key("s2", 0), key("k3", 0)
     fault = KeyFault("write", "block", hashes=frozenset({s1.block_hash, s2.block_hash}))
     engine = kvtier.TransferEngine(layout, _cfg(layout, 8, _nvme(tmp_path, wrapper=Wrapper(fault))))
@@ -568,7 +568,7 @@ async def test_control_transfer_engine_hard_aclose_during_a_soft_aclose_drops_qu
 # the queued rows, as TransferEngine.aclose(hard=True) does, instead of only waiting for it
 # (_close_done)
 def test_background_hard_close_during_a_soft_close_drops_queued_rows(tmp_path: Path) -> None:
-    layout, _ = _layout()
+    layout, _ = filled_layout((32, 4096), seed=71, name="a")
     s1, s2, k3 = key("s1", 0), key("s2", 0), key("k3", 0)
     fault = KeyFault("write", "block", hashes=frozenset({s1.block_hash, s2.block_hash}))
     bg = kvtier.BackgroundEngine(layout, _cfg(layout, 8, _nvme(tmp_path, wrapper=Wrapper(fault))))

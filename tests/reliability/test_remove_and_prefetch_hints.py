@@ -46,8 +46,8 @@ from kvtier.errors import (
 from kvtier.io import inspect_root, remove_namespace
 from kvtier.io._inspect import REMOVING_PREFIX, is_namespace
 
-from ..engine.helpers import after_iterations, key
-from ..engine.test_prefetch import _chunks, _config, _layout
+from ..engine.helpers import after_iterations, filled_layout, key
+from ..engine.test_prefetch import _chunks, _config
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE = "fake-0123456789abcdef"  # named like a namespace folder
@@ -58,7 +58,7 @@ FAKE = "fake-0123456789abcdef"  # named like a namespace folder
 
 async def _namespace_with_rows(root: Path, n: int = 4) -> Path:
     """Store ``n`` chunks durably with the prefetch tests' layout and close: its folder."""
-    layout, _ = _layout()
+    layout, _ = filled_layout((16, 8192), seed=5, name="a")
     async with kvtier.TransferEngine(layout, _config(root)) as engine:
         res = await engine.store(_chunks(n), durable=True)
         assert len(res.stored) == n
@@ -68,7 +68,7 @@ async def _namespace_with_rows(root: Path, n: int = 4) -> Path:
 
 async def _opens_fresh_and_serves(root: Path) -> None:
     """An engine opening the same layout sees no old key, stores and reloads."""
-    layout, _ = _layout()
+    layout, _ = filled_layout((16, 8192), seed=5, name="a")
     chunks = _chunks()
     async with kvtier.TransferEngine(layout, _config(root)) as engine:
         assert engine.lookup([c.key for c in chunks]) == [kvtier.Residency.MISS] * 4
@@ -335,7 +335,7 @@ def test_an_engine_opening_before_a_removal_never_shares_the_namespace_with_a_ne
 
     def first_engine() -> None:
         async def run() -> None:
-            layout, _ = _layout()
+            layout, _ = filled_layout((16, 8192), seed=5, name="a")
             engine = kvtier.TransferEngine(layout, _config(root))
             try:
                 await engine.start()
@@ -361,7 +361,7 @@ def test_an_engine_opening_before_a_removal_never_shares_the_namespace_with_a_ne
         assert remove_namespace(root, old.name) > 0
 
         async def second() -> None:
-            layout, _ = _layout()
+            layout, _ = filled_layout((16, 8192), seed=5, name="a")
             async with kvtier.TransferEngine(layout, _config(root)) as engine_b:
                 pause.go.set()
                 assert await asyncio.to_thread(first_done.wait, 30)
@@ -417,7 +417,7 @@ def test_a_removal_paused_at_its_flock_never_deletes_a_live_engines_folder(
         assert remove_namespace(root, old.name) > 0  # R1
 
         async def live() -> None:
-            layout, _ = _layout()
+            layout, _ = filled_layout((16, 8192), seed=5, name="a")
             chunks = _chunks()
             async with kvtier.TransferEngine(layout, _config(root)) as engine:
                 assert len((await engine.store(chunks, durable=True)).stored) == 4
@@ -447,7 +447,7 @@ def test_an_engine_paused_at_its_flock_while_its_folder_is_removed_fails_typed(
 
     def first_engine() -> None:
         async def run() -> None:
-            layout, _ = _layout()
+            layout, _ = filled_layout((16, 8192), seed=5, name="a")
             engine = kvtier.TransferEngine(layout, _config(root))
             try:
                 await engine.start()
@@ -488,7 +488,7 @@ def test_an_engine_paused_at_its_flock_while_its_folder_is_removed_fails_typed(
 def test_engine_starts_racing_removals_end_typed_or_fresh(tmp_path: Path) -> None:
     root = tmp_path / "nvme"
     root.mkdir()
-    layout, _ = _layout()
+    layout, _ = filled_layout((16, 8192), seed=5, name="a")
     keys = [c.key for c in _chunks()]
     for _ in range(8):
         ns = asyncio.run(_namespace_with_rows(root))
@@ -596,10 +596,11 @@ def test_a_namespace_of_a_sigkilled_engine_is_removed(tmp_path: Path) -> None:
         """
         import asyncio, pathlib, sys
         import kvtier
-        from tests.engine.test_prefetch import _chunks, _config, _layout
+        from tests.engine.helpers import filled_layout
+        from tests.engine.test_prefetch import _chunks, _config
 
         async def main():
-            layout, _ = _layout()
+            layout, _ = filled_layout((16, 8192), seed=5, name="a")
             engine = kvtier.TransferEngine(layout, _config(pathlib.Path(sys.argv[1])))
             await engine.start()
             await engine.store(_chunks(), durable=True)
@@ -716,7 +717,7 @@ async def test_the_byte_count_of_an_engine_namespace_covers_its_rows(tmp_path: P
     root = tmp_path / "nvme"
     root.mkdir()
     ns = await _namespace_with_rows(root, n=8)
-    layout, _ = _layout()
+    layout, _ = filled_layout((16, 8192), seed=5, name="a")
     expected = _du(ns)
     freed = remove_namespace(root, ns.name)
     assert freed == expected
@@ -731,7 +732,7 @@ def _policy_config(root: Path, eviction: str, slots: int = 8) -> kvtier.EngineCo
 
 
 async def _on_nvme(root: Path, n: int = 8) -> kvtier.KVLayout:
-    layout, _ = _layout()
+    layout, _ = filled_layout((16, 8192), seed=5, name="a")
     async with kvtier.TransferEngine(layout, _config(root)) as engine:
         assert len((await engine.store(_chunks(n), durable=True)).stored) == n
     return layout
@@ -909,7 +910,7 @@ async def test_a_prefetched_key_evicted_before_its_load_then_loaded_cold_is_used
 async def test_a_prefetch_waiting_for_a_store_in_flight_leaves_the_store_as_the_first_use(
     tmp_path: Path, eviction: str
 ) -> None:
-    layout, _ = _layout()
+    layout, _ = filled_layout((16, 8192), seed=5, name="a")
     c = _chunks(2)
     async with kvtier.TransferEngine(layout, _policy_config(tmp_path, eviction)) as engine:
         store = asyncio.ensure_future(engine.store([c[0]]))
@@ -986,7 +987,7 @@ async def test_a_prefetch_cancelled_during_its_read_leaves_a_hinted_key(
 async def test_a_prefetch_cancelled_while_waiting_for_a_store_changes_nothing(
     tmp_path: Path, eviction: str
 ) -> None:
-    layout, _ = _layout()
+    layout, _ = filled_layout((16, 8192), seed=5, name="a")
     c = _chunks(1)
     async with kvtier.TransferEngine(layout, _policy_config(tmp_path, eviction)) as engine:
         store = asyncio.ensure_future(engine.store(c))
@@ -1027,7 +1028,7 @@ async def _async(fn: Callable[[], Any]) -> Any:
 async def test_a_key_stored_again_after_a_hinted_eviction_starts_unhinted(
     tmp_path: Path, eviction: str
 ) -> None:
-    layout, _ = _layout()
+    layout, _ = filled_layout((16, 8192), seed=5, name="a")
     nv = kvtier.NVMeConfig(
         root=tmp_path, capacity_bytes=1 << 20, namespace="leak", segment_nbytes=1 << 20
     )
