@@ -13,8 +13,9 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from kvtier._config import EngineConfig
-from kvtier._engine import TransferEngine, _record_event
+from kvtier._engine import TransferEngine
 from kvtier._holds import Hold
+from kvtier._transfer import record_event
 from kvtier._types import (
     Chunk,
     ClearResult,
@@ -189,7 +190,7 @@ class BackgroundEngine:
         device = self.engine.layout.device
         if after is not None or device.type != "cuda":
             return after  # checked by the engine
-        return _record_event(device)  # pragma: no cover - CUDA hosts only
+        return record_event(device)  # pragma: no cover - CUDA hosts only
 
     def prefetch(self, keys: Sequence[OffloadKey]) -> concurrent.futures.Future[PrefetchResult]:
         """:meth:`TransferEngine.prefetch` on the engine thread; returns a Future."""

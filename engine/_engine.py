@@ -29,6 +29,7 @@ from kvtier._transfer import (
     aliasing_labels,
     host_pieces,
     piece_specs,
+    record_event,
 )
 from kvtier._types import (
     Chunk,
@@ -266,10 +267,14 @@ class TransferEngine:
                 }
             )
             if self.config.nvme is not None:
-                from kvtier._writeback import NVMeWriter, open_tier
+                from kvtier._writeback import NVMeWriter, WriterParts, open_tier
 
-                self._nvme = await open_tier(self)
-                self._writer = NVMeWriter(self, self._nvme, on_promoted=self._holds.promoted)
+                self._nvme = await open_tier(self.config.nvme, self.layout, self.blocks_per_chunk)
+                parts = WriterParts(
+                    self.layout, self.blocks_per_chunk, self.slot_nbytes, self._pool, region,
+                    self._ready, self._c,
+                )  # fmt: skip
+                self._writer = NVMeWriter(parts, self._nvme, on_promoted=self._holds.promoted)
                 self._stop_if_closing()
         except BaseException:
             self._state = "closed"
@@ -428,7 +433,7 @@ class TransferEngine:
             return after
         if not cuda:
             return None
-        return _record_event(self.layout.device)  # pragma: no cover - CUDA hosts only
+        return record_event(self.layout.device)  # pragma: no cover - CUDA hosts only
 
     def _check_open(self, *, loop: bool = False) -> None:
         """Raise unless the engine is open and called from the thread it started on.
@@ -1295,10 +1300,3 @@ class TransferEngine:
             nvme=nvme,
             holds_dropped=self._holds.dropped,
         )
-
-
-def _record_event(device: torch.device) -> Any:  # pragma: no cover - CUDA hosts only
-    """A ``torch.cuda.Event`` recorded now on the calling thread's current stream of ``device``."""
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    event.record(torch.cuda.current_stream(device))
-    return event

@@ -901,3 +901,15 @@ class CopyExecutor:
         """Stop the worker threads (waits for the job in progress)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+def record_event(device: torch.device) -> Any:  # pragma: no cover - CUDA hosts only
+    """A ``torch.cuda.Event`` recorded now on the calling thread's current stream of ``device``.
+
+    Args:
+        device: a CUDA device; the event marks the point the caller's work on
+            its current stream has reached (the copy threads wait for it).
+    """
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(torch.cuda.current_stream(device))
+    return event

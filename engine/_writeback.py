@@ -35,8 +35,10 @@ from kvtier.errors import (
 
 if TYPE_CHECKING:
     from kvtier._config import NVMeConfig
-    from kvtier._writer_host import WriterHost
+    from kvtier._slots import HostRegion, SlotPool
+    from kvtier._stats import Counters
     from kvtier.io import NVMeTier
+    from kvtier.layout import KVLayout
 
 _MAX_BATCHES_IN_FLIGHT = 2
 _MAX_BATCH_NBYTES = 64 << 20
@@ -57,16 +59,46 @@ class _Batch:
     """``(key, start, stop, seq)`` in enqueue order."""
 
 
-async def open_tier(engine: WriterHost) -> NVMeTier:
-    """Open the NVMe tier described by ``engine.config.nvme`` for ``engine.layout``."""
-    cfg = engine.config.nvme
-    assert cfg is not None
-    bpc = engine.blocks_per_chunk
+@dataclass(frozen=True, eq=False)
+class WriterParts:
+    """What an NVMe writer is handed by the engine it serves, and updates in place.
+
+    The engine builds one at start, once its CPU region exists, so the writer
+    never reaches into the engine and ``_writeback`` does not import ``_engine``.
+    """
+
+    layout: KVLayout
+    blocks_per_chunk: int
+    slot_nbytes: int
+    """Bytes per CPU slot: the largest group's chunk, 4 KiB-aligned."""
+    pool: SlotPool
+    """The engine's slot pool: the writer pins, commits and drops its entries."""
+    region: HostRegion
+    """The CPU slots' memory: rows are written from and read into its buffers."""
+    ready: dict[OffloadKey, asyncio.Future[bool]]
+    """Keys whose bytes are still arriving in their slot -> set once they are there."""
+    counters: Counters
+    """The engine's counters; the writer adds to ``rejected`` and ``failures``."""
+
+
+async def open_tier(cfg: NVMeConfig, layout: KVLayout, blocks_per_chunk: int) -> NVMeTier:
+    """Open the NVMe tier described by ``cfg`` for ``layout``'s groups.
+
+    Args:
+        cfg: the engine's ``config.nvme``.
+        layout: the engine's KV layout; its description and per-group chunk
+            sizes (bytes) make the tier's format.
+        blocks_per_chunk: GPU blocks per chunk (one row holds one group's chunk).
+
+    Raises:
+        The errors of :func:`open_tier_for`.
+    """
+    bpc = blocks_per_chunk
     return await open_tier_for(
         cfg,
-        engine.layout.describe(),
+        layout.describe(),
         bpc,
-        {g: engine.layout.group_nbytes(g, bpc) for g in engine.layout.group_ids},
+        {g: layout.group_nbytes(g, bpc) for g in layout.group_ids},
     )
 
 
@@ -133,12 +165,12 @@ class NVMeWriter:
 
     def __init__(
         self,
-        engine: WriterHost,
+        parts: WriterParts,
         tier: NVMeTier,
         *,
         on_promoted: Callable[[OffloadKey], None],
     ) -> None:
-        self._engine = engine
+        self._parts: WriterParts | None = parts
         # Called for each key a promotion committed (a hold of its row pins the slot too).
         self._on_promoted = on_promoted
         self._tier = tier
@@ -159,6 +191,12 @@ class NVMeWriter:
         """Seconds from a write batch's first enqueue to its last row written."""
         tier.on_sync_drop = self._sync_dropped
 
+    def _held(self) -> WriterParts:
+        """The engine's parts; :class:`AssertionError` once :meth:`detach` dropped them."""
+        parts = self._parts
+        assert parts is not None, "NVMe writer used after its engine closed"
+        return parts
+
     # ------------------------------------------------------------------ write-through
     def enqueue(
         self, items: list[tuple[OffloadKey, int, int]], call: list[OffloadKey] | None = None
@@ -175,8 +213,9 @@ class NVMeWriter:
                 last (its rows may span batches, written concurrently).
 
         """
-        pool = self._engine._pool
-        full = -(-_MAX_BATCH_NBYTES // self._engine.slot_nbytes)  # rows of a full batch
+        parts = self._held()
+        pool = parts.pool
+        full = -(-_MAX_BATCH_NBYTES // parts.slot_nbytes)  # rows of a full batch
         batches: list[asyncio.Future[Failures]] = []
         for key, start, stop in items:
             batch = self._open
@@ -236,10 +275,8 @@ class NVMeWriter:
             await self._write(batch)
 
     async def _write(self, batch: _Batch) -> None:
-        engine = self._engine
-        pool = engine._pool
-        region = engine._region
-        assert region is not None
+        parts = self._held()
+        pool, region = parts.pool, parts.region
         views = []
         failed: Failures = {}
         try:
@@ -247,7 +284,7 @@ class NVMeWriter:
             for key, start, stop, _ in batch.rows:
                 entry = pool.get(key)
                 assert entry is not None
-                view = region.buffer(entry.slot, engine.slot_nbytes)
+                view = region.buffer(entry.slot, parts.slot_nbytes)
                 views.append(view)
                 rows.append((key, start, stop, view))
             try:
@@ -321,7 +358,7 @@ class NVMeWriter:
             StorageError: the ``fdatasync`` failed.
 
         """
-        pool = self._engine._pool
+        pool = self._held().pool
         missing: Failures = {}
         rewrite = []
         for key in keys:
@@ -358,14 +395,14 @@ class NVMeWriter:
         self._failed[key] = (1, err)
 
     def detach(self) -> None:
-        """Drop the back-reference to the engine once it is closed.
+        """Drop the engine's parts once the engine is closed.
 
-        The engine and its writer refer to each other; without this, a closed
-        pair (with every slot entry and row index entry behind it) could only
+        The tier and the writer refer to each other; without this, a closed
+        writer (with every slot entry and row index entry behind it) could only
         be freed by a full cyclic garbage collection, which pauses the whole
         process (about 80 ms with torch imported). Counters stay readable.
         """
-        self._engine = None  # type: ignore[assignment]
+        self._parts = None
         self._tier.on_sync_drop = None  # the tier and the writer refer to each other too
 
     @property
@@ -384,7 +421,7 @@ class NVMeWriter:
         A dropped row is a failed row (kind ``"dropped"``): flushes and durable
         stores waiting for it raise :class:`NotDurableError`.
         """
-        pool = self._engine._pool
+        pool = self._held().pool
         for batch in self._waiting:
             failed: Failures = {}
             for key, _, _, seq in batch.rows:
@@ -408,10 +445,8 @@ class NVMeWriter:
         ``hint``: a prefetch, not a use; the keys are committed as hinted
         (:meth:`SlotPool.commit`) and their first load is their first use.
         """
-        engine = self._engine
-        pool = engine._pool
-        region = engine._region
-        assert region is not None
+        parts = self._held()
+        pool, region = parts.pool, parts.region
         errors: dict[OffloadKey, BaseException] = {}
         requests = []
         for key in keys:
@@ -419,17 +454,17 @@ class NVMeWriter:
             if rng is None:
                 errors[key] = KeyNotResidentError(f"{key} left NVMe before promotion")
                 continue
-            nbytes = (rng[1] - rng[0]) * engine.layout.group(key.group_id).block_payload_nbytes
+            nbytes = (rng[1] - rng[0]) * parts.layout.group(key.group_id).block_payload_nbytes
             requests.append((key, rng[0], rng[1], nbytes))
         entries, rejected, _ = pool.reserve(requests, protect=protect)
         for key in rejected:
             errors[key] = KVTierError(f"{key}: no free or evictable CPU slot for promotion")
-        engine._c.rejected += len(rejected)  # not a failed read: the row stays on NVMe
+        parts.counters.rejected += len(rejected)  # not a failed read: the row stays on NVMe
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[bool] = loop.create_future()
         for entry in entries:
-            engine._ready[entry.key] = ready
-        views = [region.buffer(e.slot, engine.slot_nbytes) for e in entries]
+            parts.ready[entry.key] = ready
+        views = [region.buffer(e.slot, parts.slot_nbytes) for e in entries]
         try:
             results: list[tuple[int, int] | BaseException] = await asyncio.shield(
                 self._tier.read_rows([(e.key, v) for e, v in zip(entries, views, strict=True)])
@@ -442,7 +477,7 @@ class NVMeWriter:
         ok: list[OffloadKey] = []
         for entry, res in zip(entries, results, strict=True):
             key = entry.key
-            engine._ready.pop(key, None)
+            parts.ready.pop(key, None)
             if isinstance(res, StorageError) and res.kind == "missing":
                 # NVMe eviction (a write batch needing room) won the race: a MISS
                 pool.abort(key)
@@ -452,7 +487,7 @@ class NVMeWriter:
                 errors[key] = res
                 self.promotion_failures += 1
                 kind = storage_error_kind(res)
-                engine._c.failures[kind] = engine._c.failures.get(kind, 0) + 1
+                parts.counters.failures[kind] = parts.counters.failures.get(kind, 0) + 1
             else:
                 entry.start, entry.stop = res
                 ok.append(key)
