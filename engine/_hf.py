@@ -460,6 +460,20 @@ def cache_to_blocks(
         paged[ids] = value
 
 
+def _set_linear_length(layer: Any, num_tokens: int) -> None:
+    """Give a rebuilt linear / mamba layer the token count the paged-out one had.
+
+    transformers >= 5.25 counts a recurrent layer's tokens in
+    ``cumulative_length_linear`` (a 0-d tensor) and ``DynamicCache.get_seq_length``
+    reads it; earlier 5.x releases have no such counter.
+    """
+    length = getattr(layer, "cumulative_length_linear", None)
+    if isinstance(length, torch.Tensor):
+        length.fill_(num_tokens)
+    elif length is not None:
+        layer.cumulative_length_linear = num_tokens
+
+
 def blocks_to_cache(
     config: Any,
     kv: HFKVGroups,
@@ -507,6 +521,7 @@ def blocks_to_cache(
                 else:
                     layer.lazy_initialization(recurrent_states=state, state_idx=0)
                     layer.recurrent_states[0].copy_(state)
+                _set_linear_length(layer, num_tokens)
                 continue
             if kind == "mla":
                 rows = paged[ids].reshape(nres * tpb, paged.shape[-1])[row0:row1]
