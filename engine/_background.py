@@ -8,7 +8,7 @@ import contextlib
 import numbers
 import threading
 import weakref
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -257,7 +257,7 @@ class BackgroundEngine:
         # The work in flight now: a scheduled flush, then the jobs it starts,
         # then a failed job's isolation task (not work submitted later on).
         for _ in range(3):
-            pending = list(self.engine._tasks)
+            pending = self.engine.work_in_flight()
             if not pending:
                 break
             await asyncio.wait(pending)
@@ -282,16 +282,15 @@ class BackgroundEngine:
         release runs on the engine thread (after :meth:`close` it does nothing).
         """
         held: Hold = self._query(self.engine.hold, keys)
-        release = self.engine._release_hold
 
-        def on_engine_thread(h: Hold) -> None:
+        def on_engine_thread(release: Callable[[Hold], None], h: Hold) -> None:
             if self._on_engine_thread():
                 release(h)
                 return
             with contextlib.suppress(EngineClosedError):  # closing released it
                 self._query(release, h)
 
-        held._release_fn = on_engine_thread
+        held.route_release(on_engine_thread)
         return held
 
     def prefix_hits(self, keys: Iterable[OffloadKey]) -> int:

@@ -10,9 +10,12 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
+
+if TYPE_CHECKING:
+    from kvtier.io import NVMeTier
 
 from kvtier._config import EngineConfig
 from kvtier._holds import Hold, HoldRegistry, Pins, leading
@@ -553,19 +556,21 @@ class TransferEngine:
                 residency.append(Residency.NVME)
             else:
                 residency.append(Residency.MISS)
-        held = Hold(self, tuple(keys), tuple(residency), cpu, rows)
+        held = Hold(
+            self._release_hold, self._hold_dropped, tuple(keys), tuple(residency), cpu, rows
+        )
         self._holds.add(held)
         return held
 
     def _release_hold(self, held: Hold) -> None:
         """Unpin what ``held`` pinned (its engine's loop thread; idempotent)."""
-        if held._engine is None:
+        if held.released:
             return
         if self._state in ("open", "starting"):
             self._check_thread("Hold.release()")
-        held._engine = None
+        held.detach()
         self._holds.discard(held)
-        self._release_pins(held._pins)
+        self._release_pins(held.pins)
 
     def _release_pins(self, pins: Pins) -> bool:
         """Unpin a hold's slots and rows once (loop thread); False if done already.
@@ -1271,10 +1276,42 @@ class TransferEngine:
             cpu_dropped += 1
         nvme_dropped = 0
         if nvme and self._nvme is not None:
-            held = {key for h in self._holds.live() for key, _ in h._pins.rows}
+            held = {key for h in self._holds.live() for key, _ in h.pins.rows}
             kept.extend(sorted(held - set(kept), key=lambda k: (k.group_id, k.block_hash)))
             nvme_dropped = await self._nvme.clear(keep=held | set(kept))
         return ClearResult(cpu_dropped, nvme_dropped, tuple(kept))
+
+    @property
+    def closed(self) -> bool:
+        """Whether the engine has closed (``aclose()`` ended, or ``start()`` failed)."""
+        return self._state == "closed"
+
+    @property
+    def nvme(self) -> NVMeTier | None:
+        """The engine's NVMe tier while it is open, else ``None`` (no tier configured, or closed).
+
+        Read it for its queries (``directory``, ``contains``, ``stats``); the
+        engine owns its rows, so write through the engine only.
+        """
+        tier: NVMeTier | None = self._nvme
+        return tier
+
+    @property
+    def write_batch_seconds(self) -> Sequence[float]:
+        """Seconds from queueing to writing of each NVMe write batch, oldest first.
+
+        The last 65,536 batches; empty without an NVMe tier. ``kvtier bench``
+        reports their median and p99.
+        """
+        return self._writer.batch_seconds if self._writer is not None else ()
+
+    def work_in_flight(self) -> list[asyncio.Future[Any]]:
+        """The engine's own tasks now running: copy jobs, NVMe writes, promotions.
+
+        Awaiting them waits for this moment's work, not for work they start.
+        Loop thread only.
+        """
+        return list(self._tasks)
 
     def stats(self) -> EngineStats:
         """A snapshot of the counters (never blocks).

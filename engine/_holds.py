@@ -18,7 +18,7 @@ import logging
 import weakref
 from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Any, Protocol, Self
+from typing import Any, Self
 
 from kvtier._slots import SlotPool
 from kvtier._types import OffloadKey, Residency
@@ -31,12 +31,12 @@ def leading(residency: Iterable[Residency], counted: tuple[Residency, ...]) -> i
     return sum(1 for _ in itertools.takewhile(lambda r: r in counted, residency))
 
 
-class HoldOwner(Protocol):
-    """The engine a :class:`Hold` belongs to (``TransferEngine`` satisfies it)."""
+def _no_release(held: Hold) -> None:
+    """What a released hold's release calls: nothing."""
 
-    def _release_hold(self, held: Hold) -> None: ...
 
-    def _hold_dropped(self, pins: Pins) -> None: ...
+def _no_drop(pins: Pins) -> None:
+    """What a released hold's collection calls: nothing."""
 
 
 class Hold:
@@ -63,24 +63,37 @@ class Hold:
         residency: where each key was at the call: ``CPU`` and ``NVME`` keys
             are held; ``PENDING`` ones (a store or promotion in flight) and
             ``MISS`` ones are not.
+        pins: what the hold pinned (the engine unpins it once).
     """
 
-    __slots__ = ("__weakref__", "_engine", "_pins", "_release_fn", "keys", "residency")
+    __slots__ = ("__weakref__", "_dropped_fn", "_live", "_release_fn", "keys", "pins", "residency")
 
     def __init__(
         self,
-        engine: HoldOwner,
+        release: Callable[[Hold], None],
+        dropped: Callable[[Pins], None],
         keys: tuple[OffloadKey, ...],
         residency: tuple[Residency, ...],
         cpu: list[OffloadKey],
         rows: list[tuple[OffloadKey, Any]],
     ) -> None:
-        self._engine: HoldOwner | None = engine
-        self._pins = Pins(cpu, rows)
+        """Made by the engine's ``hold()``.
+
+        Args:
+            release: the engine's release of a hold (its loop thread).
+            dropped: what a hold garbage-collected unreleased calls with its
+                pins (any thread; the engine schedules the release on its loop).
+            keys: the keys asked for.
+            residency: where each one was at the call.
+            cpu: the keys whose slots this hold pinned.
+            rows: ``(key, row ref)`` of the NVMe rows it pinned.
+        """
+        self._live = True
+        self._release_fn = release
+        self._dropped_fn = dropped
+        self.pins = Pins(cpu, rows)
         self.keys = keys
         self.residency = residency
-        # BackgroundEngine routes the release to its engine thread.
-        self._release_fn: Callable[[Hold], None] = engine._release_hold
 
     @property
     def prefix_hits(self) -> int:
@@ -95,7 +108,22 @@ class Hold:
     @property
     def released(self) -> bool:
         """Whether :meth:`release` ran (or the engine closed)."""
-        return self._engine is None
+        return not self._live
+
+    def detach(self) -> bool:
+        """Mark the hold released, once: True the first time (the engine then unpins ``pins``)."""
+        live, self._live = self._live, False
+        # A released hold keeps no reference to its engine.
+        self._release_fn, self._dropped_fn = _no_release, _no_drop
+        return live
+
+    def route_release(self, route: Callable[[Callable[[Hold], None], Hold], None]) -> None:
+        """Have :meth:`release` call ``route(engine_release, self)`` instead.
+
+        :class:`BackgroundEngine` routes the release to its engine thread this way.
+        """
+        inner = self._release_fn
+        self._release_fn = lambda held: route(inner, held)
 
     def release(self) -> None:
         """Let the held keys be evicted again. Idempotent; nothing to do after the engine closed.
@@ -105,7 +133,7 @@ class Hold:
                 (nothing released). A :class:`BackgroundEngine`'s hold may be
                 released from any thread.
         """
-        if self._engine is not None:
+        if self._live:
             self._release_fn(self)
 
     def __enter__(self) -> Self:
@@ -135,10 +163,9 @@ class Hold:
     def __del__(self) -> None:
         # Dropped unreleased: the engine releases its pins on its loop. No
         # module globals here: at interpreter shutdown they may be None already.
-        engine = self._engine
-        if engine is not None:
+        if self._live:
             try:  # noqa: SIM105 - contextlib may be None at interpreter shutdown
-                engine._hold_dropped(self._pins)
+                self._dropped_fn(self.pins)
             except Exception:  # a closed loop; interpreter shutdown
                 pass
 
@@ -184,7 +211,7 @@ class HoldRegistry:
 
     def add(self, held: Hold) -> None:
         """Record a new hold (its CPU slots are pinned already) and the rows it holds."""
-        pins = held._pins
+        pins = held.pins
         for key, _ in pins.rows:
             holders = self._row_holds.setdefault(key, {})
             holders[pins] = holders.get(pins, 0) + 1

@@ -130,7 +130,7 @@ class _Exporter:
         """Whether ``ident`` names an engine that is still alive and not closed."""
         ref = self.engines.get(ident)
         engine = ref() if ref is not None else None
-        return engine is not None and engine._state != "closed"
+        return engine is not None and not engine.closed
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -140,7 +140,7 @@ class _Exporter:
             engines = list(self.engines.items())
         for ident, ref in engines:
             engine = ref()
-            if engine is None or engine._state == "closed":
+            if engine is None or engine.closed:
                 continue
             stats = _snapshot(engine)
             if stats is None:

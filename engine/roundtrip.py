@@ -448,7 +448,8 @@ async def aroundtrip(
             await engine.flush()
             lap("flush")
             store_stats = engine.stats()
-            directory = engine._nvme.directory  # this run's namespace folder under root
+            assert engine.nvme is not None
+            directory = engine.nvme.directory  # this run's namespace folder under root
         nvme_stats = store_stats.nvme or {}
         nvme_write_failures = int(nvme_stats.get("write_failures", 0))  # type: ignore[call-overload]
         if store_stats.evictions:

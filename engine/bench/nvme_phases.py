@@ -134,8 +134,7 @@ async def run_nvme_phases(
                     require(len(res.stored) == len(batch), "bench store rejected keys")
                 await engine.flush()
                 e2e.seconds.append(time.perf_counter() - t0)
-                assert engine._writer is not None
-                e2e.batch_seconds.extend(engine._writer.batch_seconds)
+                e2e.batch_seconds.extend(engine.write_batch_seconds)
                 failures = engine.stats().nvme or {}
                 require(failures.get("write_failures", 0) == 0, f"NVMe write failures: {failures}")
             # Not timed: the write-through rows load back, from NVMe, as the bytes stored.
@@ -220,9 +219,7 @@ async def _write_leg(
     for batch in split_batches(chunks, cfg.batch_chunks):  # device -> CPU, not timed
         res = await engine.store(batch)
         require(len(res.stored) == len(batch), "bench store rejected keys")
-    writer = engine._writer
-    assert writer is not None
-    first = len(writer.batch_seconds)
+    first = len(engine.write_batch_seconds)
     async with timed[1].watch() if timed else contextlib.nullcontext():
         t0 = time.perf_counter()
         # Every key is resident and not yet on NVMe: this writes their rows.
@@ -231,7 +228,7 @@ async def _write_leg(
     require(len(res.skipped) == len(chunks), "bench keys left the CPU tier")
     if timed:
         timed[0].seconds.append(seconds)
-        timed[0].batch_seconds.extend(list(writer.batch_seconds)[first:])
+        timed[0].batch_seconds.extend(list(engine.write_batch_seconds)[first:])
 
 
 async def _full_tier_write(
@@ -287,8 +284,9 @@ async def _full_tier_write(
         # write evicts its own group's oldest key when it is among the oldest,
         # which late in the leg can be one of the first new keys while a key of
         # the fill is left). The live tier says which.
-        assert engine._nvme is not None
-        kept = [c for c in fresh if engine._nvme.contains(c.key)]
+        tier = engine.nvme
+        assert tier is not None
+        kept = [c for c in fresh if tier.contains(c.key)]
     # Not timed: exactly those new keys load back from NVMe as the bytes stored
     # (a row written wrong is invalid at open, or fails its checksum); the
     # blocks of the evicted ones come back from the fresh-tier leg's tier
