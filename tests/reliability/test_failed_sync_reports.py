@@ -35,8 +35,8 @@ from kvtier.io._index import SEQ_JUMP
 from ..io.conftest import GROUP_NBYTES, Slots, hashes, key, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
 from ._model import Gpu, at_rest, chunks, engine_config, load_check, nvme_config, store_ok
+from .gated_io import ROW0, payload_matches, row_writes, until_true
 from .test_nvme_failed_sync import SyncGateIO, SyncHolder, _nvme, _rows_of, gated_engine
-from .test_nvme_index_restart import ROW0, _check, _rows, _until
 
 
 class LateIO(SyncGateIO):
@@ -83,14 +83,14 @@ async def _cancelled_flush_whose_sync_fails(
     io.sync_entered.clear()
     io.fdatasync_error = 1
     flush = asyncio.ensure_future(engine.flush())
-    await _until(io.sync_entered.is_set, "the flush's sync to start")
+    await until_true(io.sync_entered.is_set, "the flush's sync to start")
     flush.cancel()
     with pytest.raises(asyncio.CancelledError):
         await flush
     io.sync_gate = None
     gate.set()
-    await _until(lambda: not any(tier.contains(k) for k in dropped), "the drop")
-    await _until(lambda: tier._sync_task is None, "the failed sync to end")
+    await until_true(lambda: not any(tier.contains(k) for k in dropped), "the drop")
+    await until_true(lambda: tier._sync_task is None, "the failed sync to end")
 
 
 # ====================================================================== drops and their reports
@@ -108,7 +108,7 @@ async def test_durable_store_after_a_cancelled_flushs_failed_sync_rewrites_and_s
     opened = gated_engine(tmp_path, holder, ["f1"])
     async with opened as (gpu, engine, tier, io, [k1]):
         await store_ok(engine, gpu, [k1])
-        await _until(lambda: tier.contains(k1.key), "k1 on NVMe")
+        await until_true(lambda: tier.contains(k1.key), "k1 on NVMe")
         await _cancelled_flush_whose_sync_fails(engine, io, [k1.key])
         res = await engine.store([k1], durable=True)  # rewrites k1 (CPU copy), then syncs
         assert res.skipped == (k1.key,)
@@ -124,14 +124,14 @@ async def test_flush_after_a_cancelled_flushs_failed_sync_does_not_name_a_rewrit
     opened = gated_engine(tmp_path, holder, ["g1", "g2", "g3"], slots=2)
     async with opened as (gpu, engine, tier, io, [k1, k2, k3]):
         await store_ok(engine, gpu, [k1])
-        await _until(lambda: tier.contains(k1.key), "k1 on NVMe")
+        await until_true(lambda: tier.contains(k1.key), "k1 on NVMe")
         await _cancelled_flush_whose_sync_fails(engine, io, [k1.key])
         await store_ok(engine, gpu, [k2, k3])  # two slots: k1's CPU copy is evicted
         assert engine.lookup([k1.key]) == [kvtier.Residency.MISS]
         await at_rest(engine)  # k2 and k3 written: their slots can be evicted
         res = await engine.store([k1])  # stored again: write-through writes its row
         assert res.stored == (k1.key,)
-        await _until(lambda: tier.contains(k1.key), "k1 rewritten")
+        await until_true(lambda: tier.contains(k1.key), "k1 rewritten")
         await engine.flush()  # k1 is written and synced by this flush
         assert tier.contains(k1.key)
 
@@ -203,13 +203,13 @@ async def test_dropped_keys_are_named_by_the_running_flushes_then_by_no_later_on
     opened = gated_engine(tmp_path, holder, ["j0", "j1", "j2"])
     async with opened as (gpu, engine, tier, io, [k0, k1, k2]):
         await store_ok(engine, gpu, [k1])
-        await _until(lambda: tier.contains(k1.key), "k1 on NVMe")
+        await until_true(lambda: tier.contains(k1.key), "k1 on NVMe")
         await _failed_durable_store(engine, gpu, io, k0)  # drops k0 and k1
         assert not tier.contains(k0.key)
         assert not tier.contains(k1.key)
         io.write_gate = gate = threading.Event()
         await store_ok(engine, gpu, [k2])  # its row write waits
-        await _until(io.write_entered.is_set, "k2's row write to start")
+        await until_true(io.write_entered.is_set, "k2's row write to start")
         flushes = [asyncio.ensure_future(engine.flush()) for _ in range(2)]
         await asyncio.sleep(0.01)
         gate.set()
@@ -236,7 +236,7 @@ async def test_durable_rewrite_of_a_dropped_key_is_not_named_by_the_next_flush(
     opened = gated_engine(tmp_path, holder, ["k0", "k1"])
     async with opened as (gpu, engine, tier, io, [k0, k1]):
         await store_ok(engine, gpu, [k1])
-        await _until(lambda: tier.contains(k1.key), "k1 on NVMe")
+        await until_true(lambda: tier.contains(k1.key), "k1 on NVMe")
         await _failed_durable_store(engine, gpu, io, k0)
         res = await engine.store([k1], durable=True)  # k1: rewritten and synced
         assert res.skipped == (k1.key,)
@@ -256,7 +256,7 @@ async def test_aclose_after_a_cancelled_flushs_failed_sync_leaves_no_dropped_key
         await store_ok(engine, gpu, [k0])
         await engine.flush()  # k0 durable
         await store_ok(engine, gpu, [k1])
-        await _until(lambda: tier.contains(k1.key), "k1 on NVMe")
+        await until_true(lambda: tier.contains(k1.key), "k1 on NVMe")
         await _cancelled_flush_whose_sync_fails(engine, io, [k1.key])
         assert tier.contains(k0.key)
     # aclose synced again and returned; a restart serves k0 and never k1
@@ -285,14 +285,14 @@ async def test_row_written_during_the_failing_sync_and_published_after_it_is_dro
         io = holder.io
         assert isinstance(io, LateIO)
         buf = Slots(2, 8 * 4096)
-        assert await tier.write_rows(_rows(buf, [0])) == [None]
+        assert await tier.write_rows(row_writes(buf, [0])) == [None]
         io.sync_gate = gate = threading.Event()
         io.fdatasync_error = 1
         flush = asyncio.ensure_future(tier.flush())
-        await _until(io.sync_entered.is_set, "the sync to start")
+        await until_true(io.sync_entered.is_set, "the sync to start")
         io.after_write_gate = late = threading.Event()
-        write = asyncio.ensure_future(tier.write_rows(_rows(buf, [1])))
-        await _until(io.after_write_entered.is_set, "key 1's bytes to be written")
+        write = asyncio.ensure_future(tier.write_rows(row_writes(buf, [1])))
+        await until_true(io.after_write_entered.is_set, "key 1's bytes to be written")
         gate.set()  # the fdatasync fails; key 1's bytes went to the file during it
         with pytest.raises(StorageError):
             await flush
@@ -316,14 +316,14 @@ async def test_flush_after_a_failed_sync_vouches_for_no_row_written_during_it(
     opened = gated_engine(tmp_path, holder, ["i0", "i1"], LateIO)
     async with opened as (gpu, engine, tier, io, [k0, k1]):
         await store_ok(engine, gpu, [k0])
-        await _until(lambda: tier.contains(k0.key), "k0 on NVMe")
+        await until_true(lambda: tier.contains(k0.key), "k0 on NVMe")
         io.sync_gate = gate = threading.Event()
         io.fdatasync_error = 1
         first = asyncio.ensure_future(engine.flush())
-        await _until(io.sync_entered.is_set, "the sync to start")
+        await until_true(io.sync_entered.is_set, "the sync to start")
         io.after_write_gate = late = threading.Event()
         await store_ok(engine, gpu, [k1])
-        await _until(io.after_write_entered.is_set, "k1's bytes to be written")
+        await until_true(io.after_write_entered.is_set, "k1's bytes to be written")
         gate.set()
         with pytest.raises(StorageError):
             await first
@@ -331,7 +331,7 @@ async def test_flush_after_a_failed_sync_vouches_for_no_row_written_during_it(
         late.set()
         writer = engine._writer
         assert writer is not None
-        await _until(lambda: not writer.busy, "k1's row write to end")
+        await until_true(lambda: not writer.busy, "k1's row write to end")
         # k0 was dropped: this flush names it; k1 must be named too (or not be on NVMe)
         with pytest.raises(NotDurableError) as info:
             await engine.flush()
@@ -371,9 +371,9 @@ async def _key0_newest_row(root: pathlib.Path) -> tuple[pathlib.Path, int, int]:
     """Key 0 (salt 0) written last, after key 9 (discarded); return its segment, row and seq."""
     tier = await _tier(root)
     buf = Slots(1, 8 * 4096)
-    assert await tier.write_rows(_rows(buf, [9])) == [None]
+    assert await tier.write_rows(row_writes(buf, [9])) == [None]
     for _ in range(4):  # key 0 ends with the highest seq of the segment
-        assert await tier.write_rows(_rows(buf, [0])) == [None]
+        assert await tier.write_rows(row_writes(buf, [0])) == [None]
     tier.discard(key(9))
     seg = tier.directory / "g0" / "0.kvrows"
     await tier.close()
@@ -419,7 +419,7 @@ async def test_trailer_lost_at_open_then_the_key_rewritten_a_restart_loads_the_n
     try:
         out = Slots(1, 8 * 4096)
         assert await tier.read_rows([(key(0), out[0])]) == [(0, 4)]
-        assert _check(out[0], key(0), salt=1), "a restart loaded key 0's older bytes"
+        assert payload_matches(out[0], key(0), salt=1), "a restart loaded key 0's older bytes"
     finally:
         await tier.close()
 
@@ -449,10 +449,10 @@ async def test_segment_skipped_at_open_then_the_key_rewritten_a_restart_loads_th
     tier = await _tier(root)
     buf = Slots(2, 8 * 4096)
     for _ in range(5):  # key 0 holds the highest seq; key 1 (group 1) a low one
-        assert await tier.write_rows(_rows(buf, [0])) == [None]
+        assert await tier.write_rows(row_writes(buf, [0])) == [None]
     await tier.close()
     tier = await _tier(root)
-    assert await tier.write_rows(_rows(buf, [1], group_id=1)) == [None]
+    assert await tier.write_rows(row_writes(buf, [1], group_id=1)) == [None]
     await tier.close()
     paths: dict[Any, str] = {}
     tier = await _tier(root, row_io_wrapper=lambda inner: HeaderFaultIO(inner, paths, "g0"))
@@ -470,7 +470,7 @@ async def test_segment_skipped_at_open_then_the_key_rewritten_a_restart_loads_th
         assert tier.stats()["invalid_segments_at_open"] == 0
         out = Slots(1, 8 * 4096)
         assert await tier.read_rows([(key(0), out[0])]) == [(0, 4)]
-        assert _check(out[0], key(0), salt=1)
+        assert payload_matches(out[0], key(0), salt=1)
         assert tier._index.lookup(key(0)).ref.segment == 1  # type: ignore[union-attr]
     finally:
         await tier.close()
@@ -482,8 +482,8 @@ async def test_clean_open_does_not_jump_and_a_blind_one_keeps_the_lru_order_of_s
     root = tmp_path / "nvme"
     tier = await _tier(root)
     buf = Slots(2, 8 * 4096)
-    assert await tier.write_rows(_rows(buf, [0, 1])) == [None, None]
-    assert await tier.write_rows(_rows(buf, [7], group_id=1)) == [None]
+    assert await tier.write_rows(row_writes(buf, [0, 1])) == [None, None]
+    assert await tier.write_rows(row_writes(buf, [7], group_id=1)) == [None]
     seq1 = tier._index._seq
     await tier.close()
     tier = await _tier(root)  # everything readable: no jump
@@ -500,7 +500,7 @@ async def test_clean_open_does_not_jump_and_a_blind_one_keeps_the_lru_order_of_s
     try:
         assert made[0].hits == 1
         assert tier._index._seq == seq1 + SEQ_JUMP  # key 7 (read) held the highest seq
-        assert await tier.write_rows(_rows(buf, [2, 3])) == [None, None]  # a newer session
+        assert await tier.write_rows(row_writes(buf, [2, 3])) == [None, None]  # a newer session
         await tier.flush()
     finally:
         await tier.close()

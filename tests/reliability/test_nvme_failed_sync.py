@@ -34,7 +34,7 @@ from kvtier.io._format import TRAILER_NBYTES
 from ..io.conftest import GROUP_NBYTES, Slots, hashes, key, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
 from ._model import Gpu, chunks, engine_config, nvme_config, store_ok
-from .test_nvme_index_restart import ROW0, ROW1, GateIO, Holder, _check, _rows, _until
+from .gated_io import ROW0, ROW1, GateIO, Holder, payload_matches, row_writes, until_true
 
 
 class SyncGateIO(GateIO):
@@ -109,13 +109,13 @@ async def test_key_written_while_the_failing_sync_runs_is_dropped_too(
         io = holder.io
         assert isinstance(io, SyncGateIO)
         buf = Slots(2, 8 * 4096)
-        assert await tier.write_rows(_rows(buf, [0])) == [None]
+        assert await tier.write_rows(row_writes(buf, [0])) == [None]
         io.sync_gate = gate = threading.Event()
         io.fdatasync_error = 1
         flush = asyncio.ensure_future(tier.flush())
-        await _until(io.sync_entered.is_set, "the sync to start")
+        await until_true(io.sync_entered.is_set, "the sync to start")
         # key 1 lands in the same segment while its fdatasync runs (and then fails)
-        assert await tier.write_rows(_rows(buf, [1])) == [None]
+        assert await tier.write_rows(row_writes(buf, [1])) == [None]
         gate.set()
         with pytest.raises(StorageError):
             await flush
@@ -165,16 +165,16 @@ async def test_durable_store_whose_skipped_key_a_concurrent_failed_sync_dropped_
     opened = gated_engine(tmp_path, holder, ["d0", "d1", "d2"])
     async with opened as (gpu, engine, tier, io, [k0, k1, k2]):
         await store_ok(engine, gpu, [k1])  # write-through: on NVMe, not yet synced
-        await _until(lambda: tier.contains(k1.key), "k1 on NVMe")
+        await until_true(lambda: tier.contains(k1.key), "k1 on NVMe")
         io.sync_gate = sync_gate = threading.Event()
         io.fdatasync_error = 1
         gpu.write(k0)
         other = asyncio.ensure_future(engine.store([k0], durable=True))
-        await _until(io.sync_entered.is_set, "the durable store's sync to start")
+        await until_true(io.sync_entered.is_set, "the durable store's sync to start")
         io.write_gate = write_gate = threading.Event()
         gpu.write(k2)
         mine = asyncio.ensure_future(engine.store([k1, k2], durable=True))  # k1 skipped
-        await _until(io.write_entered.is_set, "k2's row write to start")
+        await until_true(io.write_entered.is_set, "k2's row write to start")
         sync_gate.set()  # the other store's sync fails: k1 (same segment) leaves NVMe
         with pytest.raises(StorageError):
             await other
@@ -200,7 +200,7 @@ async def test_flush_after_another_callers_failed_sync_names_the_dropped_key(
     opened = gated_engine(tmp_path, holder, ["e0", "e1"])
     async with opened as (gpu, engine, tier, io, [k0, k1]):
         await store_ok(engine, gpu, [k1])  # write-through, no durability asked
-        await _until(lambda: tier.contains(k1.key), "k1 on NVMe")
+        await until_true(lambda: tier.contains(k1.key), "k1 on NVMe")
         io.fdatasync_error = 1
         gpu.write(k0)
         with pytest.raises(StorageError):  # another caller's durable store
@@ -239,9 +239,9 @@ async def test_unreadable_trailer_at_open_then_the_key_rewritten_a_restart_loads
     root = tmp_path / "nvme"
     tier = await _tier(root)
     buf = Slots(1, 8 * 4096)
-    assert await tier.write_rows(_rows(buf, [9])) == [None]
+    assert await tier.write_rows(row_writes(buf, [9])) == [None]
     for _ in range(4):  # key 0 (salt 0) ends with the highest seq of the segment
-        assert await tier.write_rows(_rows(buf, [0])) == [None]
+        assert await tier.write_rows(row_writes(buf, [0])) == [None]
     tier.discard(key(9))
     seg = tier.directory / "g0" / "0.kvrows"
     await tier.close()
@@ -271,7 +271,7 @@ async def test_unreadable_trailer_at_open_then_the_key_rewritten_a_restart_loads
     try:
         out = Slots(1, 8 * 4096)
         assert await tier.read_rows([(key(0), out[0])]) == [(0, 4)]
-        assert _check(out[0], key(0), salt=1), (
+        assert payload_matches(out[0], key(0), salt=1), (
             f"a restart loaded key 0's older bytes (seq {old_seq} beat the rewrite's {new_seq})"
         )
     finally:
@@ -296,10 +296,10 @@ async def test_failed_sync_of_one_segment_drops_only_its_unsynced_keys(
         io = holder.io
         assert io is not None
         buf = Slots(2, 8 * 4096)
-        assert await tier.write_rows(_rows(buf, [0, 1])) == [None, None]  # g0/0
+        assert await tier.write_rows(row_writes(buf, [0, 1])) == [None, None]  # g0/0
         await tier.flush()  # synced
-        assert await tier.write_rows(_rows(buf, [2, 3])) == [None, None]  # g0/1
-        assert await tier.write_rows(_rows(buf, [0], salt=1)) == [None]  # rewritten: g0/2
+        assert await tier.write_rows(row_writes(buf, [2, 3])) == [None, None]  # g0/1
+        assert await tier.write_rows(row_writes(buf, [0], salt=1)) == [None]  # rewritten: g0/2
         assert tier._index.lookup(key(0)).ref.segment == 2  # type: ignore[union-attr]
         assert tier._index.lookup(key(2)).ref.segment == 1  # type: ignore[union-attr]
         io.fail_sync_of = {"g0/1.kvrows"}
@@ -314,8 +314,8 @@ async def test_failed_sync_of_one_segment_drops_only_its_unsynced_keys(
         assert hashes(tier) == [b"hash-0", b"hash-1"]
         out = Slots(2, 8 * 4096)
         assert await tier.read_rows([(key(0), out[0]), (key(1), out[1])]) == [(0, 4)] * 2
-        assert _check(out[0], key(0), salt=1)
-        assert _check(out[1], key(1))
+        assert payload_matches(out[0], key(0), salt=1)
+        assert payload_matches(out[1], key(1))
         assert tier._unsynced == {} or all(not v for v in tier._unsynced.values())
     finally:
         await tier.close()
@@ -337,15 +337,15 @@ async def test_failed_sync_after_discard_eviction_and_row_reuse_drops_only_the_r
         io = holder.io
         assert io is not None
         buf = Slots(2, 8 * 4096)
-        assert await tier.write_rows(_rows(buf, [0])) == [None]
+        assert await tier.write_rows(row_writes(buf, [0])) == [None]
         await tier.flush()
-        assert await tier.write_rows(_rows(buf, [1])) == [None]  # row 1, unsynced
+        assert await tier.write_rows(row_writes(buf, [1])) == [None]  # row 1, unsynced
         row1 = tier._index.lookup(key(1)).ref  # type: ignore[union-attr]
         tier.discard(key(1))
-        assert await tier.write_rows(_rows(buf, [2])) == [None]  # reuses row 1
+        assert await tier.write_rows(row_writes(buf, [2])) == [None]  # reuses row 1
         assert tier._index.lookup(key(2)).ref == row1  # type: ignore[union-attr]
         # capacity of two rows: key 3 evicts key 0 (LRU, synced) and takes its row
-        assert await tier.write_rows(_rows(buf, [3])) == [None]
+        assert await tier.write_rows(row_writes(buf, [3])) == [None]
         assert hashes(tier) == [b"hash-2", b"hash-3"]
         io.fdatasync_error = 1
         with pytest.raises(StorageError):
@@ -353,7 +353,7 @@ async def test_failed_sync_after_discard_eviction_and_row_reuse_drops_only_the_r
         assert hashes(tier) == []  # both written since the last good sync
         assert _failed_eio(tier) == 2  # key 1 (discarded) and key 0 (evicted) not counted
         await tier.flush()
-        assert await tier.write_rows(_rows(buf, [4])) == [None]
+        assert await tier.write_rows(row_writes(buf, [4])) == [None]
         await tier.flush()
         assert hashes(tier) == [b"hash-4"]
         st = tier.stats()
@@ -371,12 +371,12 @@ async def test_concurrent_flushes_share_one_failed_sync_each_key_dropped_and_cou
         io = holder.io
         assert io is not None
         buf = Slots(3, 8 * 4096)
-        assert await tier.write_rows(_rows(buf, [0, 1, 2])) == [None] * 3
+        assert await tier.write_rows(row_writes(buf, [0, 1, 2])) == [None] * 3
         io.sync_gate = gate = threading.Event()
         io.fdatasync_error = 1
         io.syncs = 0
         flushes = [asyncio.ensure_future(tier.flush()) for _ in range(3)]
-        await _until(io.sync_entered.is_set, "the sync to start")
+        await until_true(io.sync_entered.is_set, "the sync to start")
         await asyncio.sleep(0.01)
         gate.set()
         outcomes = await asyncio.gather(*flushes, return_exceptions=True)
@@ -398,9 +398,9 @@ async def test_close_whose_final_sync_fails_raises_and_a_restart_serves_only_exa
     root = tmp_path / "nvme"
     tier = await _tier(root, row_io_wrapper=holder)
     buf = Slots(3, 8 * 4096)
-    assert await tier.write_rows(_rows(buf, [0, 1])) == [None] * 2
+    assert await tier.write_rows(row_writes(buf, [0, 1])) == [None] * 2
     await tier.flush()
-    assert await tier.write_rows(_rows(buf, [2, 0], salt=1)) == [None] * 2
+    assert await tier.write_rows(row_writes(buf, [2, 0], salt=1)) == [None] * 2
     assert holder.io is not None
     holder.io.fdatasync_error = 1
     with pytest.raises(StorageError):
@@ -414,7 +414,7 @@ async def test_close_whose_final_sync_fails_raises_and_a_restart_serves_only_exa
         out = Slots(len(ks), 8 * 4096)
         assert await tier.read_rows([(k, out[i]) for i, k in enumerate(ks)]) == [(0, 4)] * len(ks)
         for i, k in enumerate(ks):
-            assert _check(out[i], k, salt=0 if k == key(1) else 1)
+            assert payload_matches(out[i], k, salt=0 if k == key(1) else 1)
     finally:
         await tier.close()
 
@@ -426,7 +426,7 @@ async def test_unsynced_rows_stay_bounded_by_the_rows_when_flush_is_never_called
     try:
         buf = Slots(2, 8 * 4096)
         for i in range(0, 300, 2):
-            assert await tier.write_rows(_rows(buf, [i, i + 1])) == [None, None]
+            assert await tier.write_rows(row_writes(buf, [i, i + 1])) == [None, None]
         entries = sum(len(rows) for rows in tier._unsynced.values())
         allocated = tier.stats()["bytes_allocated"] // ROW0
         assert entries <= allocated <= 4 + tier._index._grow_rows[0]
@@ -445,11 +445,11 @@ async def test_writes_refused_for_capacity_leave_no_pending_write_and_the_key_wr
     tier = await _tier(tmp_path / "nvme", capacity_bytes=3 * 4096, grow_ahead=False)
     try:
         buf, buf1 = Slots(1, 8 * 4096), Slots(2, 8 * 4096)
-        res = await tier.write_rows([*_rows(buf, [0]), *_rows(buf1, [1], group_id=1)])
+        res = await tier.write_rows([*row_writes(buf, [0]), *row_writes(buf1, [1], group_id=1)])
         assert getattr(res[0], "kind", None) == "capacity"
         assert res[1] is None
         assert tier._index._pending == {}
-        res = await tier.write_rows(_rows(buf1, [1, 2], group_id=1))  # one fits
+        res = await tier.write_rows(row_writes(buf1, [1, 2], group_id=1))  # one fits
         assert res == [None, None] or getattr(res[1], "kind", None) == "capacity"
         assert tier._index._pending == {}
         assert tier.stats()["bytes_used"] == len(tier.keys()) * ROW1 <= 3 * 4096
@@ -468,17 +468,17 @@ async def test_write_refused_while_the_only_row_is_pinned_publishes_once_retried
         io = holder.io
         assert io is not None
         buf = Slots(2, 8 * 4096)
-        assert await tier.write_rows(_rows(buf, [0])) == [None]
+        assert await tier.write_rows(row_writes(buf, [0])) == [None]
         io.read_gate = gate = threading.Event()
         read = asyncio.ensure_future(tier.read_rows([(key(0), buf[1])]))
-        await _until(io.read_entered.is_set, "the read to start")
-        res = await tier.write_rows(_rows(buf, [1]))  # key 0's row is pinned: no room
+        await until_true(io.read_entered.is_set, "the read to start")
+        res = await tier.write_rows(row_writes(buf, [1]))  # key 0's row is pinned: no room
         assert getattr(res[0], "kind", None) == "capacity"
         assert tier._index._pending == {}
         gate.set()
         io.read_gate = None
         assert await read == [(0, 4)]
-        assert await tier.write_rows(_rows(buf, [1])) == [None]  # evicts key 0 now
+        assert await tier.write_rows(row_writes(buf, [1])) == [None]  # evicts key 0 now
         assert hashes(tier) == [b"hash-1"]
         assert tier._index._pending == {}
     finally:
@@ -497,16 +497,16 @@ async def test_an_older_write_ending_after_a_newer_one_never_wins_now_or_after_a
         assert io is not None
         old_buf, new_buf = Slots(1, 8 * 4096), Slots(1, 8 * 4096)
         io.write_gate = gate = threading.Event()
-        older = asyncio.ensure_future(tier.write_rows(_rows(old_buf, [0], salt=0)))
-        await _until(io.write_entered.is_set, "the older write to start")
+        older = asyncio.ensure_future(tier.write_rows(row_writes(old_buf, [0], salt=0)))
+        await until_true(io.write_entered.is_set, "the older write to start")
         if discard:
             tier.discard(key(0))
-        assert await tier.write_rows(_rows(new_buf, [0], salt=1)) == [None]
+        assert await tier.write_rows(row_writes(new_buf, [0], salt=1)) == [None]
         gate.set()
         assert await older == [None]  # written, but not published
         out = Slots(1, 8 * 4096)
         assert await tier.read_rows([(key(0), out[0])]) == [(0, 4)]
-        assert _check(out[0], key(0), salt=1)
+        assert payload_matches(out[0], key(0), salt=1)
         assert tier._index._pending == {}
         assert tier.stats()["bytes_used"] == ROW0
     finally:
@@ -515,7 +515,7 @@ async def test_an_older_write_ending_after_a_newer_one_never_wins_now_or_after_a
     try:
         out = Slots(1, 8 * 4096)
         assert await tier.read_rows([(key(0), out[0])]) == [(0, 4)]
-        assert _check(out[0], key(0), salt=1)
+        assert payload_matches(out[0], key(0), salt=1)
         assert tier.stats()["bytes_used"] == ROW0
     finally:
         await tier.close()
@@ -531,8 +531,8 @@ async def test_discard_during_a_write_then_a_failed_sync_counts_nothing_for_the_
         assert io is not None
         buf = Slots(1, 8 * 4096)
         io.write_gate = gate = threading.Event()
-        write = asyncio.ensure_future(tier.write_rows(_rows(buf, [0])))
-        await _until(io.write_entered.is_set, "the write to start")
+        write = asyncio.ensure_future(tier.write_rows(row_writes(buf, [0])))
+        await until_true(io.write_entered.is_set, "the write to start")
         tier.discard(key(0))
         gate.set()
         assert await write == [None]
@@ -574,7 +574,7 @@ async def _four_rows(root: pathlib.Path) -> int:
     """Write keys 0..3 (group 0) under ``root``; return the rows allocated in g0/0."""
     tier = await _tier(root)
     buf = Slots(4, 8 * 4096)
-    assert await tier.write_rows(_rows(buf, range(4))) == [None] * 4
+    assert await tier.write_rows(row_writes(buf, range(4))) == [None] * 4
     await tier.flush()
     allocated = (_seg_size(tier) - 4096) // ROW0
     await tier.close()
@@ -598,7 +598,7 @@ async def test_every_trailer_read_failing_frees_the_rows_and_reused_rows_win_at_
         assert st["invalid_rows_at_open"] >= allocated  # every group's rows
         assert st["bytes_used"] == 0
         buf = Slots(2, 8 * 4096)
-        assert await tier.write_rows(_rows(buf, [10, 11], salt=3)) == [None, None]
+        assert await tier.write_rows(row_writes(buf, [10, 11], salt=3)) == [None, None]
         await tier.flush()
     finally:
         await tier.close()
@@ -609,7 +609,9 @@ async def test_every_trailer_read_failing_frees_the_rows_and_reused_rows_win_at_
         ks = [key(10), key(11), key(2), key(3)]
         out = Slots(4, 8 * 4096)
         assert await tier.read_rows([(k, out[i]) for i, k in enumerate(ks)]) == [(0, 4)] * 4
-        assert [_check(out[i], k, salt=3 if i < 2 else 0) for i, k in enumerate(ks)] == [True] * 4
+        assert [payload_matches(out[i], k, salt=3 if i < 2 else 0) for i, k in enumerate(ks)] == [
+            True
+        ] * 4
         assert tier.stats()["invalid_rows_at_open"] == 0
     finally:
         await tier.close()
@@ -625,7 +627,7 @@ async def test_a_segment_whose_header_read_fails_is_skipped_and_its_number_never
         assert hashes(tier) == []
         assert tier.stats()["invalid_segments_at_open"] >= 1
         buf = Slots(1, 8 * 4096)
-        assert await tier.write_rows(_rows(buf, [10])) == [None]
+        assert await tier.write_rows(row_writes(buf, [10])) == [None]
         assert (tier.directory / "g0" / "1.kvrows").exists()
     finally:
         await tier.close()
@@ -677,7 +679,7 @@ async def test_inspect_of_a_namespace_whose_rows_are_all_invalid_says_no_valid_r
     tier = await _tier(root)
     try:
         buf = Slots(1, 8 * 4096)
-        assert await tier.write_rows(_rows(buf, [7], group_id=1)) == [None]
+        assert await tier.write_rows(row_writes(buf, [7], group_id=1)) == [None]
     finally:
         await tier.close()
     res = CliRunner().invoke(main, ["inspect", str(root)])

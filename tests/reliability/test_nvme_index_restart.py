@@ -37,120 +37,13 @@ from kvtier.io._format import TRAILER_NBYTES, decode_trailer, encode_trailer
 from ..io.conftest import GROUP_NBYTES, Slots, hashes, key, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
 from ._model import Gpu, at_rest, chunks, engine_config, load_check, nvme_config, store_ok
-
-ROW0 = 5 * 4096  # a row of group 0 (GROUP_NBYTES[0] = 3 * 4096 + 100)
-ROW1 = 2 * 4096  # a row of group 1
-
-
-# ====================================================================== helpers
-
-
-class Handle:
-    """A segment handle that is not an int: the tier cannot punch holes through it."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd_ = fd
-
-
-class GateIO(DelegatingRowIO):
-    """A real backend with switches: gates, one-shot errors, and optional boxed handles.
-
-    ``box_handles``: hand the tier :class:`Handle` objects, so that blanking a
-    row goes through :meth:`pwritev` (trailer overwrite) instead of a hole punch.
-    """
-
-    def __init__(self, inner: RowIO, *, box_handles: bool = False) -> None:
-        super().__init__(inner)
-        self.box = box_handles
-        self.allocate_gate: threading.Event | None = None
-        self.allocate_entered = threading.Event()
-        self.read_gate: threading.Event | None = None
-        self.read_entered = threading.Event()
-        self.scan_read_error_at: int | None = None  # file offset of a trailer read that fails
-        self.trailer_write_error = 0  # trailer-only writes (blanking) that fail with EIO
-        self.fdatasync_error = 0
-        self.lock = threading.Lock()
-
-    def _fd(self, handle: Any) -> Any:
-        return handle.fd_ if isinstance(handle, Handle) else handle
-
-    def open(self, path: str | os.PathLike[str], create: bool) -> Any:
-        fd = self.inner.open(path, create)
-        return Handle(fd) if self.box else fd
-
-    def preadv(self, handle: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
-        nbytes = sum(memoryview(b).nbytes for b in bufs)
-        if nbytes == TRAILER_NBYTES and file_offset == self.scan_read_error_at:
-            raise OSError(errno.EIO, "injected EIO on a trailer read")
-        if nbytes > TRAILER_NBYTES and self.read_gate is not None:
-            self.read_entered.set()
-            self.read_gate.wait(20)
-        return self.inner.preadv(self._fd(handle), bufs, file_offset)
-
-    def pwritev(self, handle: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
-        nbytes = sum(memoryview(b).nbytes for b in bufs)
-        if nbytes == TRAILER_NBYTES and file_offset > 4096:
-            with self.lock:
-                if self.trailer_write_error:
-                    self.trailer_write_error -= 1
-                    raise OSError(errno.EIO, "injected EIO on a trailer blanking")
-        return self.inner.pwritev(self._fd(handle), bufs, file_offset)
-
-    def fdatasync(self, handle: Any) -> None:
-        with self.lock:
-            if self.fdatasync_error:
-                self.fdatasync_error -= 1
-                raise OSError(errno.EIO, "injected EIO on fdatasync")
-        self.inner.fdatasync(self._fd(handle))
-
-    def allocate(self, handle: Any, nbytes: int) -> None:
-        if self.allocate_gate is not None:
-            self.allocate_entered.set()
-            self.allocate_gate.wait(20)
-        self.inner.allocate(self._fd(handle), nbytes)
-
-    def close(self, handle: Any) -> None:
-        self.inner.close(self._fd(handle))
-
-
-class Holder:
-    """``row_io_wrapper`` that keeps the :class:`GateIO` it made (one per tier)."""
-
-    def __init__(self, **kw: Any) -> None:
-        self.kw = kw
-        self.io: GateIO | None = None
-
-    def __call__(self, inner: RowIO) -> RowIO:
-        self.io = GateIO(inner, **self.kw)
-        return self.io
+from .gated_io import ROW0, GateIO, Holder, payload_matches, row_writes, until_true
 
 
 async def _tier(root: pathlib.Path, **over: Any) -> NVMeTier:
     tier = NVMeTier(**tier_kwargs(root, **over))
     await tier.open()
     return tier
-
-
-def _rows(buf: Slots, ids: Sequence[int], group_id: int = 0, salt: int = 0) -> list[Any]:
-    out = []
-    for n, i in enumerate(ids):
-        k = key(i, group_id)
-        out.append((k, 0, 4, buf.fill(n, payload(k, GROUP_NBYTES[group_id], salt))))
-    return out
-
-
-async def _until(cond: Any, what: str, limit_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit_s
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.002)
-
-
-def _check(buf: memoryview, k: kvtier.OffloadKey, salt: int = 0) -> bool:
-    data = payload(k, GROUP_NBYTES[k.group_id], salt)
-    return bytes(buf[: len(data)]) == data
 
 
 def _seg(tier: NVMeTier, group_id: int = 0, n: int = 0) -> pathlib.Path:
@@ -166,7 +59,7 @@ async def test_one_unreadable_trailer_at_open_loses_only_that_row(tmp_path: path
     root = tmp_path / "nvme"
     tier = await _tier(root)
     buf = Slots(4, 8 * 4096)
-    assert await tier.write_rows(_rows(buf, range(4))) == [None] * 4
+    assert await tier.write_rows(row_writes(buf, range(4))) == [None] * 4
     await tier.flush()
     await tier.close()
 
@@ -198,8 +91,8 @@ async def test_discard_while_the_write_waits_for_growth_keeps_the_key_invisible(
         assert holder.io is not None
         holder.io.allocate_gate = gate = threading.Event()
         buf = Slots(1, 8 * 4096)
-        write = asyncio.ensure_future(tier.write_rows(_rows(buf, [7])))
-        await _until(holder.io.allocate_entered.is_set, "the growth to start")
+        write = asyncio.ensure_future(tier.write_rows(row_writes(buf, [7])))
+        await until_true(holder.io.allocate_entered.is_set, "the growth to start")
         tier.discard(key(7))  # "writes of the key in flight will not make it visible"
         gate.set()
         assert await write == [None]
@@ -219,9 +112,9 @@ async def test_discard_while_the_write_blanks_stale_rows_keeps_the_key_invisible
     tier = await _tier(tmp_path / "nvme")
     try:
         buf = Slots(4, 8 * 4096)
-        assert await tier.write_rows(_rows(buf, range(2))) == [None] * 2
+        assert await tier.write_rows(row_writes(buf, range(2))) == [None] * 2
         tier.discard(key(0))  # a stale row: the next write blanks it first
-        write = asyncio.ensure_future(tier.write_rows(_rows(buf, [7])))
+        write = asyncio.ensure_future(tier.write_rows(row_writes(buf, [7])))
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         tier.discard(key(7))
@@ -252,8 +145,8 @@ async def test_discard_while_the_row_write_is_in_flight_keeps_the_key_invisible(
     try:
         made[0].read_gate = gate = threading.Event()
         buf = Slots(1, 8 * 4096)
-        write = asyncio.ensure_future(tier.write_rows(_rows(buf, [7])))
-        await _until(made[0].read_entered.is_set, "the row write to start")
+        write = asyncio.ensure_future(tier.write_rows(row_writes(buf, [7])))
+        await until_true(made[0].read_entered.is_set, "the row write to start")
         tier.discard(key(7))
         gate.set()
         assert await write == [None]
@@ -280,46 +173,46 @@ async def test_rows_read_while_dropped_or_replaced_are_never_reused_before_the_r
         io = holder.io
         assert io is not None
         buf = Slots(8, 8 * 4096)
-        assert await tier.write_rows(_rows(buf, [0, 1, 2])) == [None] * 3
+        assert await tier.write_rows(row_writes(buf, [0, 1, 2])) == [None] * 3
         assert tier.stats()["bytes_used"] == 3 * ROW0
         out = Slots(2, 8 * 4096)
         io.read_gate = gate = threading.Event()
         read = asyncio.ensure_future(tier.read_rows([(key(0), out[0]), (key(1), out[1])]))
-        await _until(io.read_entered.is_set, "the read to start")
+        await until_true(io.read_entered.is_set, "the read to start")
         tier.discard(key(0))  # zombie
         # key 1 is replaced by a newer row of the same key (old row: zombie)
         new1 = Slots(1, 8 * 4096)
-        assert await tier.write_rows(_rows(new1, [1])) == [None]  # key 2 made room
+        assert await tier.write_rows(row_writes(new1, [1])) == [None]  # key 2 made room
         assert not tier.contains(key(2))
         assert tier.stats()["bytes_used"] == 3 * ROW0  # two zombies and the new key 1
         # keys 3, 4, 5 replace each other in the one row left; the zombies stay counted
         for i in (3, 4, 5):
             more = Slots(1, 8 * 4096)
-            assert await tier.write_rows(_rows(more, [i])) == [None]
+            assert await tier.write_rows(row_writes(more, [i])) == [None]
             assert tier.stats()["bytes_used"] == 3 * ROW0
             assert tier.keys() == [key(i)]
         two = Slots(2, 8 * 4096)
-        (err, err2) = await tier.write_rows(_rows(two, [8, 9]))  # no room beyond key 5's row
+        (err, err2) = await tier.write_rows(row_writes(two, [8, 9]))  # no room beyond key 5's row
         assert err is None
         assert isinstance(err2, StorageError)
         assert err2.kind == "capacity"
         gate.set()
         assert await read == [(0, 4), (0, 4)]
-        assert _check(out[0], key(0))
-        assert _check(out[1], key(1))
+        assert payload_matches(out[0], key(0))
+        assert payload_matches(out[1], key(1))
         assert not tier.contains(key(0))
         st = tier.stats()
         assert tier.keys() == [key(8)]
         assert st["bytes_used"] == ROW0  # both zombies released on the read's end
         # their rows are reused only now (after blanking)
-        assert await tier.write_rows(_rows(two, [10, 11])) == [None, None]
+        assert await tier.write_rows(row_writes(two, [10, 11])) == [None, None]
         assert tier.stats()["bytes_used"] == 3 * ROW0
         # every visible key reads back its own bytes
         ks = tier.keys()
         back = Slots(len(ks), 8 * 4096)
         res = await tier.read_rows([(k, back[i]) for i, k in enumerate(ks)])
         assert res == [(0, 4)] * len(ks)
-        assert all(_check(back[i], k) for i, k in enumerate(ks))
+        assert all(payload_matches(back[i], k) for i, k in enumerate(ks))
     finally:
         if holder.io is not None and holder.io.read_gate is not None:
             holder.io.read_gate.set()
@@ -357,7 +250,7 @@ async def test_duplicate_rows_of_a_key_highest_seq_wins_and_the_losers_are_blank
     root = tmp_path / "nvme"
     tier = await _tier(root)
     buf = Slots(2, 8 * 4096)
-    assert await tier.write_rows(_rows(buf, [0, 1])) == [None, None]
+    assert await tier.write_rows(row_writes(buf, [0, 1])) == [None, None]
     path = _seg(tier)
     await tier.close()
     # key 0 in rows 0, 2 (seq +100, sub-blocks 1..3) and 3 (seq +50); key 1 in rows 1 and 4
@@ -373,10 +266,10 @@ async def test_duplicate_rows_of_a_key_highest_seq_wins_and_the_losers_are_blank
         assert st["invalid_rows_at_open"] == 0
         out = Slots(2, 8 * 4096)
         assert await tier.read_rows([(key(0), out[0]), (key(1), out[1])]) == [(1, 3), (0, 4)]
-        assert _check(out[0], key(0))
-        assert _check(out[1], key(1))
+        assert payload_matches(out[0], key(0))
+        assert payload_matches(out[1], key(1))
         # a new key's seq is above every seq found: after a restart it is not a loser
-        assert await tier.write_rows(_rows(buf, [5])) == [None]
+        assert await tier.write_rows(row_writes(buf, [5])) == [None]
     finally:
         await tier.close()
     seqs = []
@@ -403,10 +296,10 @@ async def test_a_segment_of_another_format_is_skipped_kept_and_its_number_never_
     small = {"segment_nbytes": 4096 + 2 * ROW0}  # two rows of group 0 per segment
     other = await _tier(root, namespace="other", **small)
     buf = Slots(3, 8 * 4096)
-    assert await other.write_rows(_rows(buf, [0, 1])) == [None, None]
+    assert await other.write_rows(row_writes(buf, [0, 1])) == [None, None]
     await other.close()
     tier = await _tier(root, **small)
-    assert await tier.write_rows(_rows(buf, [2, 3])) == [None, None]
+    assert await tier.write_rows(row_writes(buf, [2, 3])) == [None, None]
     await tier.close()
     foreign = _seg(tier, 0, 1)
     foreign.write_bytes(_seg(other, 0, 0).read_bytes())  # another digest, same group
@@ -415,7 +308,7 @@ async def test_a_segment_of_another_format_is_skipped_kept_and_its_number_never_
     try:
         assert hashes(tier) == [b"hash-2", b"hash-3"]
         assert tier.stats()["invalid_segments_at_open"] == 1
-        assert await tier.write_rows(_rows(buf, [4, 5, 6])) == [None] * 3
+        assert await tier.write_rows(row_writes(buf, [4, 5, 6])) == [None] * 3
     finally:
         await tier.close()
     assert foreign.read_bytes() == before
@@ -427,7 +320,7 @@ async def test_a_segment_of_another_format_is_skipped_kept_and_its_number_never_
         out = Slots(5, 8 * 4096)
         ks = [key(i) for i in range(2, 7)]
         assert await tier.read_rows([(k, out[i]) for i, k in enumerate(ks)]) == [(0, 4)] * 5
-        assert all(_check(out[i], k) for i, k in enumerate(ks))
+        assert all(payload_matches(out[i], k) for i, k in enumerate(ks))
     finally:
         await tier.close()
 
@@ -439,7 +332,7 @@ async def test_truncated_segment_keeps_the_whole_rows_and_grows_again(
     root = tmp_path / "nvme"
     tier = await _tier(root)
     buf = Slots(4, 8 * 4096)
-    assert await tier.write_rows(_rows(buf, range(4))) == [None] * 4
+    assert await tier.write_rows(row_writes(buf, range(4))) == [None] * 4
     path = _seg(tier)
     await tier.close()
     size = {
@@ -452,7 +345,7 @@ async def test_truncated_segment_keeps_the_whole_rows_and_grows_again(
     tier = await _tier(root)
     try:
         assert hashes(tier) == [f"hash-{i}".encode() for i in keep]
-        assert await tier.write_rows(_rows(buf, [5, 6, 7, 8])) == [None] * 4
+        assert await tier.write_rows(row_writes(buf, [5, 6, 7, 8])) == [None] * 4
     finally:
         await tier.close()
     tier = await _tier(root)
@@ -461,7 +354,7 @@ async def test_truncated_segment_keeps_the_whole_rows_and_grows_again(
         assert hashes(tier) == sorted(k.block_hash for k in ks)
         out = Slots(len(ks), 8 * 4096)
         assert await tier.read_rows([(k, out[i]) for i, k in enumerate(ks)]) == [(0, 4)] * len(ks)
-        assert all(_check(out[i], k) for i, k in enumerate(ks))
+        assert all(payload_matches(out[i], k) for i, k in enumerate(ks))
         assert tier.stats()["invalid_rows_at_open"] == 0
     finally:
         await tier.close()
@@ -521,7 +414,7 @@ async def test_load_cancelled_during_its_promotion_copies_nothing_and_leaks_noth
             for c in cs:
                 gpu.scribble(c)
             task = asyncio.ensure_future(engine.load(cs))
-            await _until(holder.io.read_entered.is_set, "the promotion read")
+            await until_true(holder.io.read_entered.is_set, "the promotion read")
             task.cancel()
             await asyncio.sleep(0.05)
             assert not task.done()  # the read in flight delays the cancellation
@@ -564,7 +457,7 @@ async def test_aclose_during_a_blocked_promotion_and_a_blocked_write_through(
         for c in old:
             gpu.scribble(c)
         load = asyncio.ensure_future(engine.load(old))
-        await _until(made[0].read_entered.is_set, "the promotion read")
+        await until_true(made[0].read_entered.is_set, "the promotion read")
         await store_ok(engine, gpu, new)  # its write-through blocks too
         close = asyncio.ensure_future(engine.aclose())
         await asyncio.sleep(0.05)
@@ -729,8 +622,8 @@ async def test_discarded_and_replaced_rows_are_blanked_by_close_and_stay_gone(
     root = tmp_path / "nvme"
     tier = await _tier(root)
     buf = Slots(4, 8 * 4096)
-    assert await tier.write_rows(_rows(buf, [0, 1, 2, 3])) == [None] * 4
-    assert await tier.write_rows(_rows(buf, [1], group_id=1)) == [None]
+    assert await tier.write_rows(row_writes(buf, [0, 1, 2, 3])) == [None] * 4
+    assert await tier.write_rows(row_writes(buf, [1], group_id=1)) == [None]
     tier.discard(key(0))
     tier.discard(key(1, 1))
     assert await tier.write_rows(
@@ -755,7 +648,7 @@ async def test_a_failed_blanking_is_counted_and_the_old_key_returns_only_with_it
     holder = Holder(box_handles=True)  # no hole punching: blanking writes the trailer
     tier = await _tier(root, row_io_wrapper=holder)
     buf = Slots(2, 8 * 4096)
-    assert await tier.write_rows(_rows(buf, [0, 1])) == [None, None]
+    assert await tier.write_rows(row_writes(buf, [0, 1])) == [None, None]
     assert holder.io is not None
     holder.io.trailer_write_error = 1
     tier.discard(key(0))
@@ -768,7 +661,7 @@ async def test_a_failed_blanking_is_counted_and_the_old_key_returns_only_with_it
         out = Slots(2, 8 * 4096)
         ks = tier.keys()
         assert await tier.read_rows([(k, out[i]) for i, k in enumerate(ks)]) == [(0, 4)] * len(ks)
-        assert all(_check(out[i], k) for i, k in enumerate(ks))
+        assert all(payload_matches(out[i], k) for i, k in enumerate(ks))
     finally:
         await tier.close()
 
@@ -796,9 +689,9 @@ async def test_failed_on_demand_growth_fails_its_key_and_keeps_the_accounting(
     )
     try:
         buf = Slots(4, 8 * 4096)
-        assert await tier.write_rows(_rows(buf, [0])) == [None]
+        assert await tier.write_rows(row_writes(buf, [0])) == [None]
         made[0].fail_allocate = 2  # the next growth (extension) fails, twice
-        res = await tier.write_rows(_rows(buf, [1, 2, 3]))
+        res = await tier.write_rows(row_writes(buf, [1, 2, 3]))
         kinds = [None if r is None else getattr(r, "kind", "?") for r in res]
         assert "enospc" in kinds
         st = tier.stats()
@@ -812,7 +705,7 @@ async def test_failed_on_demand_growth_fails_its_key_and_keeps_the_accounting(
         assert st["bytes_allocated"] == allocated
         assert st["failures_enospc"] == kinds.count("enospc")
         # the next write grows again and succeeds
-        res = await tier.write_rows(_rows(buf, [4, 5, 6]))
+        res = await tier.write_rows(row_writes(buf, [4, 5, 6]))
         assert all(r is None or r.kind == "capacity" for r in res)  # type: ignore[union-attr]
         st = tier.stats()
         assert st["bytes_used"] <= st["capacity_bytes"]
@@ -824,6 +717,6 @@ async def test_failed_on_demand_growth_fails_its_key_and_keeps_the_accounting(
         ks = tier.keys()
         out = Slots(len(ks), 8 * 4096)
         assert await tier.read_rows([(k, out[i]) for i, k in enumerate(ks)]) == [(0, 4)] * len(ks)
-        assert all(_check(out[i], k) for i, k in enumerate(ks))
+        assert all(payload_matches(out[i], k) for i, k in enumerate(ks))
     finally:
         await tier.close()

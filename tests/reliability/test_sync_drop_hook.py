@@ -33,9 +33,9 @@ from kvtier.io._rowio import probe_direct_io
 
 from ..io.conftest import GROUP_NBYTES, Slots, hashes, key, payload, tier_kwargs
 from ._model import Gpu, chunks, engine_config, load_check, nvme_config, store_ok
+from .gated_io import ROW0, payload_matches, row_writes, until_true
 from .test_failed_sync_reports import LateHolder, LateIO, _failed_durable_store, _nvme_stat, _wait
 from .test_nvme_failed_sync import SyncGateIO, SyncHolder, _nvme, gated_engine
-from .test_nvme_index_restart import ROW0, _check, _rows, _until
 
 
 async def _tier(root: pathlib.Path, **over: Any) -> NVMeTier:
@@ -91,7 +91,7 @@ async def _failing_flush(tier: NVMeTier, io: SyncGateIO) -> tuple[asyncio.Future
     io.sync_entered.clear()
     io.fdatasync_error = 1
     flush = asyncio.ensure_future(tier.flush())
-    await _until(io.sync_entered.is_set, "the sync to start")
+    await until_true(io.sync_entered.is_set, "the sync to start")
     return flush, gate
 
 
@@ -112,12 +112,12 @@ async def test_row_reserved_and_written_after_the_failed_sync_returned_is_publis
         io = holder.io
         assert isinstance(io, BlankGateIO)
         buf = Slots(2, 8 * 4096)
-        assert await tier.write_rows(_rows(buf, [0, 1])) == [None, None]
+        assert await tier.write_rows(row_writes(buf, [0, 1])) == [None, None]
         tier.discard(key(1))  # its row is blanked by the next batch's reclaim
         flush, gate = await _failing_flush(tier, io)
         io.blank_gate = blank = threading.Event()
-        write = asyncio.ensure_future(tier.write_rows(_rows(buf, [2])))
-        await _until(io.blank_entered.is_set, "key 2's batch to blank key 1's row")
+        write = asyncio.ensure_future(tier.write_rows(row_writes(buf, [2])))
+        await until_true(io.blank_entered.is_set, "key 2's batch to blank key 1's row")
         gate.set()  # the sync fails before key 2's batch has even reserved a row
         with pytest.raises(StorageError):
             await flush
@@ -146,11 +146,11 @@ async def test_row_grown_into_a_new_segment_during_another_segments_failed_sync_
         io = holder.io
         assert isinstance(io, SyncGateIO)
         buf = Slots(2, 8 * 4096)
-        assert await tier.write_rows(_rows(buf, [0, 1])) == [None, None]  # g0/0 is full
+        assert await tier.write_rows(row_writes(buf, [0, 1])) == [None, None]  # g0/0 is full
         flush, gate = await _failing_flush(tier, io)
         io.allocate_gate = grow = threading.Event()
-        write = asyncio.ensure_future(tier.write_rows(_rows(buf, [2])))
-        await _until(io.allocate_entered.is_set, "key 2's batch to grow g0/1")
+        write = asyncio.ensure_future(tier.write_rows(row_writes(buf, [2])))
+        await until_true(io.allocate_entered.is_set, "key 2's batch to grow g0/1")
         gate.set()  # g0/0's sync fails while key 2's batch waits for its new segment
         with pytest.raises(StorageError):
             await flush
@@ -170,7 +170,7 @@ async def test_row_grown_into_a_new_segment_during_another_segments_failed_sync_
         assert hashes(tier) == [b"hash-2"]
         out = Slots(1, 8 * 4096)
         assert await tier.read_rows([(key(2), out[0])]) == [(0, 4)]
-        assert _check(out[0], key(2))
+        assert payload_matches(out[0], key(2))
     finally:
         await tier.close()
 
@@ -221,24 +221,24 @@ async def test_row_of_a_segment_grown_during_its_batch_whose_sync_then_fails_is_
         io = holder.io
         assert isinstance(io, KeyLateIO)
         bufs = [Slots(1, 8 * 4096) for _ in range(3)]
-        assert await tier.write_rows(_rows(bufs[0], [0])) == [None]
-        assert await tier.write_rows(_rows(bufs[1], [1])) == [None]  # g0/0 is full
+        assert await tier.write_rows(row_writes(bufs[0], [0])) == [None]
+        assert await tier.write_rows(row_writes(bufs[1], [1])) == [None]  # g0/0 is full
         await tier.flush()
         io.allocate_gate = grow = threading.Event()
-        a = asyncio.ensure_future(tier.write_rows(_rows(bufs[0], [4])))
-        await _until(io.allocate_entered.is_set, "g0/1 to grow")
+        a = asyncio.ensure_future(tier.write_rows(row_writes(bufs[0], [4])))
+        await until_true(io.allocate_entered.is_set, "g0/1 to grow")
         gate = io.arm_gate  # armed by key 4's row write (after g0/1's creation synced)
         io.arm_prefix = payload(key(4), GROUP_NBYTES[0])[:64]
         io.sync_entered.clear()
         flush = asyncio.ensure_future(tier.flush())  # waits for key 4's batch, then syncs
         io.late_prefix = payload(key(3), GROUP_NBYTES[0])[:64]
-        b = asyncio.ensure_future(tier.write_rows(_rows(bufs[2], [3])))
+        b = asyncio.ensure_future(tier.write_rows(row_writes(bufs[2], [3])))
         await asyncio.sleep(0.01)
         io.allocate_gate = None
         grow.set()
         assert await a == [None]
-        await _until(io.sync_entered.is_set, "g0/1's sync to start")
-        await _until(io.late_entered.is_set, "key 3's bytes to be written")
+        await until_true(io.sync_entered.is_set, "g0/1's sync to start")
+        await until_true(io.late_entered.is_set, "key 3's bytes to be written")
         gate.set()
         with pytest.raises(StorageError):
             await flush
@@ -260,11 +260,11 @@ async def _row_written_during_a_failing_sync(
     tier: NVMeTier, io: LateIO, buf: Slots
 ) -> BaseException | None:
     """Key 0 published; key 1's bytes written while the sync fails, published after it."""
-    assert await tier.write_rows(_rows(buf, [0])) == [None]
+    assert await tier.write_rows(row_writes(buf, [0])) == [None]
     flush, gate = await _failing_flush(tier, io)
     io.after_write_gate = late = threading.Event()
-    write = asyncio.ensure_future(tier.write_rows(_rows(buf, [1])))
-    await _until(io.after_write_entered.is_set, "key 1's bytes to be written")
+    write = asyncio.ensure_future(tier.write_rows(row_writes(buf, [1])))
+    await until_true(io.after_write_entered.is_set, "key 1's bytes to be written")
     gate.set()
     with pytest.raises(StorageError):
         await flush
@@ -378,14 +378,14 @@ async def test_aio_row_written_during_a_failing_sync_is_failed_and_never_vouched
         assert tier._aio is made[0]  # the submitting path
         io = made[0]
         buf = Slots(2, 8 * 4096)
-        assert await tier.write_rows(_rows(buf, [0])) == [None]
+        assert await tier.write_rows(row_writes(buf, [0])) == [None]
         io.sync_gate = gate = threading.Event()
         io.fdatasync_error = 1
         flush = asyncio.ensure_future(tier.flush())
-        await _until(io.sync_entered.is_set, "the sync to start")
+        await until_true(io.sync_entered.is_set, "the sync to start")
         io.after_write_gate = late = threading.Event()
-        write = asyncio.ensure_future(tier.write_rows(_rows(buf, [1])))
-        await _until(io.after_write_entered.is_set, "key 1's bytes to be written")
+        write = asyncio.ensure_future(tier.write_rows(row_writes(buf, [1])))
+        await until_true(io.after_write_entered.is_set, "key 1's bytes to be written")
         gate.set()
         with pytest.raises(StorageError):
             await flush
@@ -398,7 +398,7 @@ async def test_aio_row_written_during_a_failing_sync_is_failed_and_never_vouched
         await tier.flush()
         assert hashes(tier) == []
         assert tier.stats()["failures_eio"] == 2  # key 0 dropped, key 1 failed
-        assert await tier.write_rows(_rows(buf, [1])) == [None]  # a later write succeeds
+        assert await tier.write_rows(row_writes(buf, [1])) == [None]  # a later write succeeds
         await tier.flush()
     finally:
         await tier.close()
@@ -407,7 +407,7 @@ async def test_aio_row_written_during_a_failing_sync_is_failed_and_never_vouched
         assert hashes(tier) == [b"hash-1"]
         out = Slots(1, 8 * 4096)
         assert await tier.read_rows([(key(1), out[0])]) == [(0, 4)]
-        assert _check(out[0], key(1))
+        assert payload_matches(out[0], key(1))
     finally:
         await tier.close()
 
@@ -458,14 +458,14 @@ async def test_hard_close_during_a_failing_sync_with_a_row_written_during_it_res
         await store_ok(engine, gpu, [k2])
         await engine.flush()  # k2 durable
         await store_ok(engine, gpu, [k0])
-        await _until(lambda: tier.contains(k0.key), "k0 on NVMe")
+        await until_true(lambda: tier.contains(k0.key), "k0 on NVMe")
         io.sync_gate = gate = threading.Event()
         io.fdatasync_error = 1
         first = asyncio.ensure_future(engine.flush())
-        await _until(io.sync_entered.is_set, "the sync to start")
+        await until_true(io.sync_entered.is_set, "the sync to start")
         io.after_write_gate = late = threading.Event()
         await store_ok(engine, gpu, [k1])
-        await _until(io.after_write_entered.is_set, "k1's bytes to be written")
+        await until_true(io.after_write_entered.is_set, "k1's bytes to be written")
         close = asyncio.ensure_future(engine.aclose(hard=True))
         await asyncio.sleep(0.01)
         gate.set()
@@ -533,7 +533,7 @@ async def test_blanked_rows_at_open_do_not_make_it_blind_a_corrupt_trailer_does(
     root = tmp_path / "nvme"
     tier = await _tier(root)
     buf = Slots(3, 8 * 4096)
-    assert await tier.write_rows(_rows(buf, [0, 1, 2])) == [None, None, None]
+    assert await tier.write_rows(row_writes(buf, [0, 1, 2])) == [None, None, None]
     tier.discard(key(1))  # blanked by close
     seq = tier._index._seq
     await tier.close()
@@ -558,7 +558,7 @@ async def test_blanked_rows_at_open_do_not_make_it_blind_a_corrupt_trailer_does(
         assert entry is not None
         assert tier._index._seq == entry.seq + SEQ_JUMP  # above the highest seq read
         assert hashes(tier) == [b"hash-0"]
-        assert await tier.write_rows(_rows(buf, [3])) == [None]
+        assert await tier.write_rows(row_writes(buf, [3])) == [None]
         await tier.flush()
     finally:
         await tier.close()
@@ -566,8 +566,8 @@ async def test_blanked_rows_at_open_do_not_make_it_blind_a_corrupt_trailer_does(
     try:
         out = Slots(1, 8 * 4096)
         assert await tier.read_rows([(key(3), out[0])]) == [(0, 4)]
-        assert _check(out[0], key(3))
+        assert payload_matches(out[0], key(3))
         assert await tier.read_rows([(key(0), out[0])]) == [(0, 4)]
-        assert _check(out[0], key(0))
+        assert payload_matches(out[0], key(0))
     finally:
         await tier.close()
