@@ -11,6 +11,8 @@ Commands:
                          last key evicts the first (a key of another group),
                          flush; close the tier if CLOSE is "1", else exit
                          without closing (a crash after the flush)
+
+The parent side starts it with :func:`start_child`.
 """
 
 from __future__ import annotations
@@ -20,11 +22,30 @@ import hashlib
 import json
 import mmap
 import os
+import pathlib
+import subprocess
 import sys
 
 from kvtier.io import NVMeTier
 
 from .conftest import GROUP_NBYTES, key, payload, tier_kwargs
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def start_child(*args: str, **kw) -> subprocess.Popen:
+    """Run this module in a new process with ``args`` (a command above), stdin and stdout piped."""
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}  # differs from ours on purpose
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.io._child", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stdin=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
 
 KILL_CAPACITY = 48 * 5 * 4096  # small: writers evict and reuse rows
 EVICT_CAPACITY = 4 * 20480 + 2 * 16384  # four rows of group 0 and two of group 2

@@ -24,9 +24,9 @@ from kvtier.errors import StorageError
 from kvtier.io import NVMeTier, RowIO
 from tests.reliability._faultio import until_set
 
+from ._child import start_child
 from .conftest import GROUP_NBYTES, key, payload, tier_kwargs
 from .faults import CountingRowIO
-from .test_tier_process import _child
 
 SIX = {g: 4096 * (1 + g % 3) - 100 for g in range(6)}  # rows of 8, 12 and 16 KiB
 SIX_LAYOUT = {"groups": {str(g): {"layers": [f"l{g}"]} for g in range(6)}}
@@ -88,7 +88,7 @@ async def test_six_groups_share_capacity_with_one_lru(tmp_path, slots) -> None:
     assert evicted > 100
     await tier.flush()
     await tier.close()
-    proc = _child("dump", str(root), json.dumps(over))
+    proc = start_child("dump", str(root), json.dumps(over))
     stdout, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0
     got = json.loads(stdout)

@@ -6,34 +6,16 @@ import asyncio
 import hashlib
 import json
 import os
-import pathlib
 import random
 import signal
-import subprocess
-import sys
 
 import pytest
 
 from kvtier.errors import NamespaceLockedError
 from kvtier.io import NVMeTier
 
-from ._child import KILL_CAPACITY, kill_key
+from ._child import KILL_CAPACITY, kill_key, start_child
 from .conftest import GROUP_NBYTES, key, payload, tier_kwargs
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _child(*args: str, **kw) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONHASHSEED": "12345"}  # differs from ours on purpose
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.io._child", *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stdin=subprocess.PIPE,
-        text=True,
-        **kw,
-    )
 
 
 async def test_restart_in_new_process_reads_identical_bytes(tmp_path, slots) -> None:
@@ -50,7 +32,7 @@ async def test_restart_in_new_process_reads_identical_bytes(tmp_path, slots) -> 
             assert await tier.write_rows([(k, *ranges[k], buf.fill(3 * i + g, data))]) == [None]
     await tier.flush()
     await tier.close()
-    proc = _child("read", str(root), "4")
+    proc = start_child("read", str(root), "4")
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0
     got = json.loads(out)
@@ -62,7 +44,7 @@ async def test_restart_in_new_process_reads_identical_bytes(tmp_path, slots) -> 
 
 async def test_lock_is_freed_when_holder_is_killed(tmp_path) -> None:
     root = tmp_path / "nvme"
-    proc = _child("hold", str(root))
+    proc = start_child("hold", str(root))
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"
@@ -81,7 +63,7 @@ async def test_lock_is_freed_when_holder_is_killed(tmp_path) -> None:
 async def test_sigkill_at_random_points_never_gives_wrong_bytes(tmp_path, slots) -> None:
     root = tmp_path / "nvme"
     rng = random.Random(20240601)
-    zygote = _child("zygote", str(root))
+    zygote = start_child("zygote", str(root))
     assert zygote.stdin is not None
     assert zygote.stdout is not None
     kw = tier_kwargs(root, capacity_bytes=KILL_CAPACITY, segment_nbytes=256 << 10)

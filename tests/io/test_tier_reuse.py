@@ -22,10 +22,9 @@ import pytest
 
 from kvtier.io import NVMeTier
 
-from ._child import EVICT_CAPACITY, EVICT_ORDER
+from ._child import EVICT_CAPACITY, EVICT_ORDER, start_child
 from .conftest import GROUP_NBYTES, key, payload, tier_kwargs
 from .faults import CountingRowIO
-from .test_tier_process import _child
 
 TRAILER = 4096
 
@@ -129,7 +128,7 @@ async def test_an_evicted_row_is_blanked_at_once_and_keeps_its_blocks(tmp_path, 
 
 
 def _reopen_and_read(root: pathlib.Path) -> dict[str, Any]:
-    proc = _child("dump", str(root), json.dumps({"capacity_bytes": 64 << 20}))
+    proc = start_child("dump", str(root), json.dumps({"capacity_bytes": 64 << 20}))
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
     return json.loads(out)
@@ -140,7 +139,7 @@ def test_an_evicted_key_does_not_come_back_after_a_crash(tmp_path) -> None:
     names = {f"{k.group_id}:{k.block_hash.decode()}": k for k in keys}
     for close in (False, True):
         root = tmp_path / f"close{int(close)}"
-        proc = _child("evict", str(root), "1" if close else "0")
+        proc = start_child("evict", str(root), "1" if close else "0")
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0, out
         assert json.loads(out) == {"evictions": 1}
