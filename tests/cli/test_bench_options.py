@@ -21,7 +21,6 @@ import glob
 import json
 import os
 import resource
-import shutil
 import signal
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from click.testing import CliRunner, Result
 from kvtier._shapes import ModelShape
 from kvtier.cli import main
 
-from .test_cli import kvtier
+from .cli_runs import bench_on_tmpfs, kvtier, needs_mount
 
 TINY = ("--size", "4M", "--repeat", "1")
 
@@ -355,48 +354,10 @@ def test_batch_chunks_larger_than_the_data_set_still_runs(tmp_path: Path) -> Non
 # --- the folder the bench writes in ------------------------------------------------------
 
 
-def _private_mount_supported() -> bool:
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        return False
-    probe = subprocess.run(
-        ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /mnt"],
-        capture_output=True, check=False, timeout=30,
-    )  # fmt: skip
-    return probe.returncode == 0
-
-
-needs_mount = pytest.mark.skipif(
-    not _private_mount_supported(), reason="needs root and unshare -m to mount a private tmpfs"
-)
-
-
-def _bench_on_tmpfs(
-    mnt: Path, opts: str, bench_args: str, in_mnt: bool = True
-) -> tuple[int, str, str, list[str]]:
-    """``kvtier bench`` on a private tmpfs at ``mnt`` (gone with the process).
-
-    Returns the bench's exit code, stdout, stderr and what it left on the tmpfs.
-    """
-    mnt.mkdir()
-    script = (
-        f"mount -t tmpfs -o {opts} tmpfs {mnt} || exit 99; "
-        f"cd {mnt if in_mnt else mnt.parent}; "
-        f"{sys.executable} -m kvtier.cli bench {bench_args} >{mnt.parent}/out 2>{mnt.parent}/err"
-        f" </dev/null; echo $? >{mnt.parent}/rc; ls -A {mnt} >{mnt.parent}/left"
-    )
-    subprocess.run(
-        ["unshare", "-m", "sh", "-c", script],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        check=True, timeout=120,
-    )  # fmt: skip
-    rc, out, err, left = ((mnt.parent / n).read_text() for n in ("rc", "out", "err", "left"))
-    return int(rc), out, err, left.split()
-
-
 @needs_mount
 def test_dir_on_a_read_only_filesystem_is_a_usage_error(tmp_path: Path) -> None:
     mnt = tmp_path / "ro"
-    rc, out, err, _left = _bench_on_tmpfs(mnt, "size=8m,ro", f"--dir {mnt} --size 1M", False)
+    rc, out, err, _left = bench_on_tmpfs(mnt, "size=8m,ro", f"--dir {mnt} --size 1M", False)
     assert rc == 2, err
     assert "is not writable" in err
     assert "Traceback" not in err
@@ -408,7 +369,7 @@ def test_a_read_only_current_folder_is_refused_before_the_run(tmp_path: Path) ->
     """Regression: without --dir the current folder is checked before the run, so
     mkdtemp does not fail after the copy phases with a traceback
     (bench/nvme_phases.py run_nvme_phases)."""
-    rc, _out, err, _left = _bench_on_tmpfs(tmp_path / "ro", "size=8m,ro", "--size 4M --repeat 1")
+    rc, _out, err, _left = bench_on_tmpfs(tmp_path / "ro", "size=8m,ro", "--size 4M --repeat 1")
     assert rc in (1, 2), err
     assert "Traceback" not in err, err[-2000:]
     assert "Error:" in err
@@ -418,7 +379,7 @@ def test_a_read_only_current_folder_is_refused_before_the_run(tmp_path: Path) ->
 def test_a_disk_too_small_for_the_data_set_is_a_one_line_error(tmp_path: Path) -> None:
     """Regression: free space is checked before the run; ENOSPC does not escape from
     the raw baseline as a traceback after the copy phases."""
-    rc, _out, err, left = _bench_on_tmpfs(
+    rc, _out, err, left = bench_on_tmpfs(
         tmp_path / "small", "size=8m", "--size 16M --repeat 1 --direct-io off"
     )
     assert left == []  # the temporary folder is removed

@@ -24,8 +24,7 @@ from click.testing import CliRunner, Result
 from kvtier._shapes import ModelShape
 from kvtier.cli import main
 
-from .test_bench_options import _bench_on_tmpfs, needs_mount
-from .test_cli import kvtier
+from .cli_runs import bench_fails, bench_on_tmpfs, kvtier, needs_mount
 
 COPY_ONLY = ("--size", "1M", "--repeat", "1", "--no-nvme")
 
@@ -161,7 +160,7 @@ def test_a_folder_with_little_free_space_but_enough_is_not_refused(tmp_path: Pat
     + groups x 256 MiB = 1.5 GiB for --size 1M); the tier's first file per group is
     min(128 MiB, capacity / (4 x groups)) ~ 64 MiB, the run's peak is ~0.76 GiB, so a
     1 GiB folder is enough and is not refused."""
-    rc, out, err, left = _bench_on_tmpfs(tmp_path / "small", "size=1g", "--size 1M --repeat 1")
+    rc, out, err, left = bench_on_tmpfs(tmp_path / "small", "size=1g", "--size 1M --repeat 1")
     assert left == []
     assert rc == 0, err[-800:]
     assert "nvme_read" in out
@@ -233,33 +232,6 @@ class _CorruptOnDisk:
             mv[100] ^= 1
         self.hits.append(path)
         return n
-
-
-def bench_fails(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wrap: Any, size_bytes: int
-) -> bool:
-    """Whether run_bench fails its checks when every NVMeConfig gets ``row_io_wrapper=wrap``.
-
-    llama-3-8b, one block per chunk, one repeat, buffered I/O, under ``tmp_path``.
-    """
-    import kvtier
-    from kvtier.bench import BenchConfig, run_bench
-
-    real = kvtier.NVMeConfig
-
-    def nvme_config(*args: Any, **kw: Any) -> Any:
-        return real(*args, row_io_wrapper=wrap, **kw)
-
-    monkeypatch.setattr(kvtier, "NVMeConfig", nvme_config)
-    cfg = BenchConfig(
-        layout="llama-3-8b", size_bytes=size_bytes, blocks_per_chunk=1, repeat=1, device="cpu",
-        root=str(tmp_path), direct_io="off",
-    )  # fmt: skip
-    try:
-        asyncio.run(run_bench(cfg))
-    except AssertionError:
-        return True
-    return False
 
 
 def _bench_with_corrupt_writes(
@@ -398,7 +370,7 @@ def test_one_chunk_per_group_too_big_for_memory_advises_fewer_blocks_per_chunk()
 
 @needs_mount
 def test_a_filesystem_too_small_for_any_size_says_so(tmp_path: Path) -> None:
-    rc, _out, err, left = _bench_on_tmpfs(tmp_path / "tiny", "size=8m", "--size 1M --repeat 1")
+    rc, _out, err, left = bench_on_tmpfs(tmp_path / "tiny", "size=8m", "--size 1M --repeat 1")
     assert rc == 1, err
     assert "no --size fits" in err
     assert "Traceback" not in err

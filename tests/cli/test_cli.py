@@ -14,22 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from .cli_runs import kvtier
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def kvtier(*args: str, cwd: Path, input: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", *args],
-        cwd=cwd,
-        env=env,
-        # without ``input`` a prompt reads end of file, never waits
-        **({"input": input} if input is not None else {"stdin": subprocess.DEVNULL}),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
 
 
 @pytest.mark.parametrize("layout", ["gemma-3-270m", "qwen3-next"])
