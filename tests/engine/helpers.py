@@ -107,6 +107,20 @@ def chunk_chain(name: str, n: int, first_block: int, group_id: int = 0) -> list[
     return [kvtier.Chunk(key(f"{name}{i}", group_id), [first_block + i]) for i in range(n)]
 
 
+def prefetch_config(root: Any, slots: int = 8) -> kvtier.EngineConfig:
+    """``slots`` two-block slots of the prefetch tests' layout, 16 MiB of NVMe under ``root``."""
+    layout, _ = filled_layout((16, 8192), seed=5, name="a")
+    nv = kvtier.NVMeConfig(
+        root=root, capacity_bytes=16 << 20, namespace="prefetch", segment_nbytes=1 << 20
+    )
+    return kvtier.EngineConfig(slots * layout.slot_nbytes(2), 2, nvme=nv)
+
+
+def prefetch_chunks(n: int = 4) -> list[kvtier.Chunk]:
+    """``n`` two-block chunks of group 0: ``key(i, 0)`` on blocks ``2i`` and ``2i + 1``."""
+    return [kvtier.Chunk(key(i, 0), [2 * i, 2 * i + 1]) for i in range(n)]
+
+
 def keys_of(chunks: list[kvtier.Chunk]) -> list[kvtier.OffloadKey]:
     """The chunks' keys, in order."""
     return [c.key for c in chunks]

@@ -17,37 +17,25 @@ from kvtier.errors import (
     StorageError,
     UnknownGroupError,
 )
-from tests.engine.helpers import filled_layout, key, same
+from tests.engine.helpers import filled_layout, key, prefetch_chunks, prefetch_config, same
 
 BPC = 2
-
-
-def _config(root: Path, slots: int = 8) -> kvtier.EngineConfig:
-    layout, _ = filled_layout((16, 8192), seed=5, name="a")
-    nv = kvtier.NVMeConfig(
-        root=root, capacity_bytes=16 << 20, namespace="prefetch", segment_nbytes=1 << 20
-    )
-    return kvtier.EngineConfig(slots * layout.slot_nbytes(BPC), BPC, nvme=nv)
-
-
-def _chunks(n: int = 4) -> list[kvtier.Chunk]:
-    return [kvtier.Chunk(key(i, 0), [2 * i, 2 * i + 1]) for i in range(n)]
 
 
 async def _stored_on_nvme(root: Path, n: int = 4) -> tuple[kvtier.KVLayout, torch.Tensor]:
     """Store ``n`` chunks durably, close: a new engine finds them on NVMe only."""
     layout, t = filled_layout((16, 8192), seed=5, name="a")
-    async with kvtier.TransferEngine(layout, _config(root)) as engine:
-        await engine.store(_chunks(n), durable=True)
+    async with kvtier.TransferEngine(layout, prefetch_config(root)) as engine:
+        await engine.store(prefetch_chunks(n), durable=True)
     return layout, t
 
 
 async def test_prefetched_keys_load_as_cpu_hits_bitwise(tmp_path: Path) -> None:
     layout, t = await _stored_on_nvme(tmp_path)
     before = t.clone()
-    chunks = _chunks()
+    chunks = prefetch_chunks()
     keys = [c.key for c in chunks]
-    async with kvtier.TransferEngine(layout, _config(tmp_path)) as engine:
+    async with kvtier.TransferEngine(layout, prefetch_config(tmp_path)) as engine:
         assert engine.lookup(keys) == [kvtier.Residency.NVME] * 4
         res = await engine.prefetch(keys)
         assert set(res.promoted) == set(keys)
@@ -71,18 +59,18 @@ async def test_prefetched_keys_load_as_cpu_hits_bitwise(tmp_path: Path) -> None:
 async def test_prefetch_touches_no_gpu_block(tmp_path: Path) -> None:
     layout, t = await _stored_on_nvme(tmp_path)
     t.fill_(0xAB)
-    async with kvtier.TransferEngine(layout, _config(tmp_path)) as engine:
-        res = await engine.prefetch([c.key for c in _chunks()])
+    async with kvtier.TransferEngine(layout, prefetch_config(tmp_path)) as engine:
+        res = await engine.prefetch([c.key for c in prefetch_chunks()])
         assert len(res.promoted) == 4
     assert int((t != 0xAB).count_nonzero()) == 0
 
 
 async def test_resident_promoted_and_missing_keys_are_told_apart(tmp_path: Path) -> None:
     layout, _ = await _stored_on_nvme(tmp_path, n=2)
-    async with kvtier.TransferEngine(layout, _config(tmp_path)) as engine:
+    async with kvtier.TransferEngine(layout, prefetch_config(tmp_path)) as engine:
         fresh = kvtier.Chunk(key("fresh", 0), [10, 11])
         await engine.store([fresh])
-        on_nvme = [c.key for c in _chunks(2)]
+        on_nvme = [c.key for c in prefetch_chunks(2)]
         missing = key("never", 0)
         res = await engine.prefetch([fresh.key, *on_nvme, missing])
         assert res.resident == (fresh.key,)
@@ -103,8 +91,8 @@ async def test_corrupt_row_fails_alone_and_becomes_a_miss(tmp_path: Path) -> Non
         b = f.read(1)
         f.seek(4096 + 100)
         f.write(bytes([b[0] ^ 0xFF]))
-    keys = [c.key for c in _chunks()]
-    async with kvtier.TransferEngine(layout, _config(tmp_path)) as engine:
+    keys = [c.key for c in prefetch_chunks()]
+    async with kvtier.TransferEngine(layout, prefetch_config(tmp_path)) as engine:
         res = await engine.prefetch(keys)
         assert len(res.failed) == 1
         assert len(res.promoted) == 3
@@ -121,8 +109,8 @@ async def test_corrupt_row_fails_alone_and_becomes_a_miss(tmp_path: Path) -> Non
 
 async def test_keys_without_a_slot_fail_and_the_others_are_promoted(tmp_path: Path) -> None:
     layout, _ = await _stored_on_nvme(tmp_path)
-    keys = [c.key for c in _chunks()]
-    async with kvtier.TransferEngine(layout, _config(tmp_path, slots=2)) as engine:
+    keys = [c.key for c in prefetch_chunks()]
+    async with kvtier.TransferEngine(layout, prefetch_config(tmp_path, slots=2)) as engine:
         assert engine.num_slots == 2
         res = await engine.prefetch(keys)  # keys of the call never evict each other
         assert len(res.promoted) == 2
@@ -133,8 +121,8 @@ async def test_keys_without_a_slot_fail_and_the_others_are_promoted(tmp_path: Pa
 
 async def test_a_store_in_flight_is_waited_for(tmp_path: Path) -> None:
     layout, _ = filled_layout((16, 8192), seed=5, name="a")
-    async with kvtier.TransferEngine(layout, _config(tmp_path)) as engine:
-        chunk = _chunks(1)[0]
+    async with kvtier.TransferEngine(layout, prefetch_config(tmp_path)) as engine:
+        chunk = prefetch_chunks(1)[0]
         store = asyncio.ensure_future(engine.store([chunk]))
         await asyncio.sleep(0)  # the store's copy is in flight
         assert engine.lookup([chunk.key]) == [kvtier.Residency.PENDING]
@@ -158,8 +146,8 @@ async def test_bad_input_raises_and_changes_nothing(
     tmp_path: Path, bad: object, error: type
 ) -> None:
     layout, _ = await _stored_on_nvme(tmp_path)
-    keys = [c.key for c in _chunks()]
-    async with kvtier.TransferEngine(layout, _config(tmp_path)) as engine:
+    keys = [c.key for c in prefetch_chunks()]
+    async with kvtier.TransferEngine(layout, prefetch_config(tmp_path)) as engine:
         with pytest.raises(error):
             await engine.prefetch(bad)  # type: ignore[arg-type]
         with pytest.raises(DuplicateKeyError):  # a valid key before the duplicate: not read
@@ -171,7 +159,7 @@ async def test_bad_input_raises_and_changes_nothing(
 async def test_without_nvme_every_key_is_resident_or_failed() -> None:
     layout, _ = filled_layout((16, 8192), seed=5, name="a")
     async with kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, BPC)) as engine:
-        chunk = _chunks(1)[0]
+        chunk = prefetch_chunks(1)[0]
         await engine.store([chunk])
         res = await engine.prefetch([chunk.key, key("absent", 0)])
         assert res.resident == (chunk.key,)
@@ -180,7 +168,7 @@ async def test_without_nvme_every_key_is_resident_or_failed() -> None:
 
 async def test_closed_engine_refuses(tmp_path: Path) -> None:
     layout, _ = filled_layout((16, 8192), seed=5, name="a")
-    engine = kvtier.TransferEngine(layout, _config(tmp_path))
+    engine = kvtier.TransferEngine(layout, prefetch_config(tmp_path))
     with pytest.raises(kvtier.EngineClosedError):
         await engine.prefetch([key("k", 0)])
 
@@ -188,8 +176,8 @@ async def test_closed_engine_refuses(tmp_path: Path) -> None:
 def test_background_engine_prefetch(tmp_path: Path) -> None:
     layout, t = asyncio.run(_stored_on_nvme(tmp_path))
     before = t.clone()
-    chunks = _chunks()
-    with kvtier.BackgroundEngine(layout, _config(tmp_path)) as engine:
+    chunks = prefetch_chunks()
+    with kvtier.BackgroundEngine(layout, prefetch_config(tmp_path)) as engine:
         res = engine.prefetch([c.key for c in chunks]).result(timeout=60)
         assert len(res.promoted) == 4
         t.zero_()
@@ -207,8 +195,8 @@ async def test_under_arc_a_prefetch_is_a_hint_not_a_use(tmp_path: Path) -> None:
     import dataclasses
 
     layout, _ = await _stored_on_nvme(tmp_path)
-    chunks = _chunks()
-    config = dataclasses.replace(_config(tmp_path), eviction="arc")
+    chunks = prefetch_chunks()
+    config = dataclasses.replace(prefetch_config(tmp_path), eviction="arc")
     async with kvtier.TransferEngine(layout, config) as engine:
         arc = engine._pool.policy
         assert isinstance(arc, kvtier._policy.ARCPolicy)
@@ -231,8 +219,8 @@ async def test_under_lru_a_prefetch_of_a_resident_key_protects_it_from_eviction(
     tmp_path: Path,
 ) -> None:
     layout, _ = await _stored_on_nvme(tmp_path)
-    chunks = _chunks()
-    async with kvtier.TransferEngine(layout, _config(tmp_path, slots=3)) as engine:
+    chunks = prefetch_chunks()
+    async with kvtier.TransferEngine(layout, prefetch_config(tmp_path, slots=3)) as engine:
         # fills the 3 slots, 0 oldest (a call's first chunk ends its newest)
         assert not (await engine.load(chunks[2::-1])).failed
         await engine.prefetch([chunks[0].key])  # needed soon

@@ -46,8 +46,7 @@ from kvtier.errors import (
 from kvtier.io import inspect_root, remove_namespace
 from kvtier.io._inspect import REMOVING_PREFIX, is_namespace
 
-from ..engine.helpers import after_iterations, filled_layout, key
-from ..engine.test_prefetch import _chunks, _config
+from ..engine.helpers import after_iterations, filled_layout, key, prefetch_chunks, prefetch_config
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE = "fake-0123456789abcdef"  # named like a namespace folder
@@ -59,8 +58,8 @@ FAKE = "fake-0123456789abcdef"  # named like a namespace folder
 async def _namespace_with_rows(root: Path, n: int = 4) -> Path:
     """Store ``n`` chunks durably with the prefetch tests' layout and close: its folder."""
     layout, _ = filled_layout((16, 8192), seed=5, name="a")
-    async with kvtier.TransferEngine(layout, _config(root)) as engine:
-        res = await engine.store(_chunks(n), durable=True)
+    async with kvtier.TransferEngine(layout, prefetch_config(root)) as engine:
+        res = await engine.store(prefetch_chunks(n), durable=True)
         assert len(res.stored) == n
     (folder,) = [p for p in root.iterdir() if is_namespace(p)]
     return folder
@@ -69,11 +68,11 @@ async def _namespace_with_rows(root: Path, n: int = 4) -> Path:
 async def _opens_fresh_and_serves(root: Path) -> None:
     """An engine opening the same layout sees no old key, stores and reloads."""
     layout, _ = filled_layout((16, 8192), seed=5, name="a")
-    chunks = _chunks()
-    async with kvtier.TransferEngine(layout, _config(root)) as engine:
+    chunks = prefetch_chunks()
+    async with kvtier.TransferEngine(layout, prefetch_config(root)) as engine:
         assert engine.lookup([c.key for c in chunks]) == [kvtier.Residency.MISS] * 4
         assert len((await engine.store(chunks, durable=True)).stored) == 4
-    async with kvtier.TransferEngine(layout, _config(root)) as engine:
+    async with kvtier.TransferEngine(layout, prefetch_config(root)) as engine:
         assert engine.lookup([c.key for c in chunks]) == [kvtier.Residency.NVME] * 4
         assert not (await engine.load(chunks)).failed
 
@@ -336,7 +335,7 @@ def test_an_engine_opening_before_a_removal_never_shares_the_namespace_with_a_ne
     def first_engine() -> None:
         async def run() -> None:
             layout, _ = filled_layout((16, 8192), seed=5, name="a")
-            engine = kvtier.TransferEngine(layout, _config(root))
+            engine = kvtier.TransferEngine(layout, prefetch_config(root))
             try:
                 await engine.start()
             except Exception as exc:
@@ -362,14 +361,17 @@ def test_an_engine_opening_before_a_removal_never_shares_the_namespace_with_a_ne
 
         async def second() -> None:
             layout, _ = filled_layout((16, 8192), seed=5, name="a")
-            async with kvtier.TransferEngine(layout, _config(root)) as engine_b:
+            async with kvtier.TransferEngine(layout, prefetch_config(root)) as engine_b:
                 pause.go.set()
                 assert await asyncio.to_thread(first_done.wait, 30)
                 outcome = first["outcome"]
                 assert isinstance(outcome, NamespaceLockedError), (
                     f"engine A started on the folder engine B holds: {outcome!r}"
                 )
-                assert engine_b.lookup([c.key for c in _chunks()]) == [kvtier.Residency.MISS] * 4
+                assert (
+                    engine_b.lookup([c.key for c in prefetch_chunks()])
+                    == [kvtier.Residency.MISS] * 4
+                )
 
         asyncio.run(second())
     finally:
@@ -418,8 +420,8 @@ def test_a_removal_paused_at_its_flock_never_deletes_a_live_engines_folder(
 
         async def live() -> None:
             layout, _ = filled_layout((16, 8192), seed=5, name="a")
-            chunks = _chunks()
-            async with kvtier.TransferEngine(layout, _config(root)) as engine:
+            chunks = prefetch_chunks()
+            async with kvtier.TransferEngine(layout, prefetch_config(root)) as engine:
                 assert len((await engine.store(chunks, durable=True)).stored) == 4
                 folder = engine._nvme.directory  # type: ignore[union-attr]
                 pause.go.set()
@@ -448,14 +450,14 @@ def test_an_engine_paused_at_its_flock_while_its_folder_is_removed_fails_typed(
     def first_engine() -> None:
         async def run() -> None:
             layout, _ = filled_layout((16, 8192), seed=5, name="a")
-            engine = kvtier.TransferEngine(layout, _config(root))
+            engine = kvtier.TransferEngine(layout, prefetch_config(root))
             try:
                 await engine.start()
             except Exception as exc:
                 first["outcome"] = exc
                 return
             try:  # if it starts, it must be on a fresh, empty namespace
-                first["keys"] = engine.lookup([c.key for c in _chunks()])
+                first["keys"] = engine.lookup([c.key for c in prefetch_chunks()])
                 first["outcome"] = "started"
             finally:
                 await engine.aclose()
@@ -489,7 +491,7 @@ def test_engine_starts_racing_removals_end_typed_or_fresh(tmp_path: Path) -> Non
     root = tmp_path / "nvme"
     root.mkdir()
     layout, _ = filled_layout((16, 8192), seed=5, name="a")
-    keys = [c.key for c in _chunks()]
+    keys = [c.key for c in prefetch_chunks()]
     for _ in range(8):
         ns = asyncio.run(_namespace_with_rows(root))
         barrier = threading.Barrier(2)
@@ -497,7 +499,7 @@ def test_engine_starts_racing_removals_end_typed_or_fresh(tmp_path: Path) -> Non
 
         def start_engine(got: dict[str, Any] = got, barrier: threading.Barrier = barrier) -> None:
             async def run() -> None:
-                engine = kvtier.TransferEngine(layout, _config(root))
+                engine = kvtier.TransferEngine(layout, prefetch_config(root))
                 barrier.wait(10)
                 try:
                     await engine.start()
@@ -506,7 +508,7 @@ def test_engine_starts_racing_removals_end_typed_or_fresh(tmp_path: Path) -> Non
                     return
                 try:
                     got["engine"] = engine.lookup(keys)
-                    res = await engine.store(_chunks(), durable=True)  # still usable
+                    res = await engine.store(prefetch_chunks(), durable=True)  # still usable
                     got["stored"] = len(res.stored) + len(res.skipped)
                 finally:
                     await engine.aclose()
@@ -596,14 +598,13 @@ def test_a_namespace_of_a_sigkilled_engine_is_removed(tmp_path: Path) -> None:
         """
         import asyncio, pathlib, sys
         import kvtier
-        from tests.engine.helpers import filled_layout
-        from tests.engine.test_prefetch import _chunks, _config
+        from tests.engine.helpers import filled_layout, prefetch_chunks, prefetch_config
 
         async def main():
             layout, _ = filled_layout((16, 8192), seed=5, name="a")
-            engine = kvtier.TransferEngine(layout, _config(pathlib.Path(sys.argv[1])))
+            engine = kvtier.TransferEngine(layout, prefetch_config(pathlib.Path(sys.argv[1])))
             await engine.start()
-            await engine.store(_chunks(), durable=True)
+            await engine.store(prefetch_chunks(), durable=True)
             print("ready", flush=True)
             await asyncio.sleep(600)
 
@@ -728,13 +729,13 @@ async def test_the_byte_count_of_an_engine_namespace_covers_its_rows(tmp_path: P
 
 
 def _policy_config(root: Path, eviction: str, slots: int = 8) -> kvtier.EngineConfig:
-    return dataclasses.replace(_config(root, slots=slots), eviction=eviction)
+    return dataclasses.replace(prefetch_config(root, slots=slots), eviction=eviction)
 
 
 async def _on_nvme(root: Path, n: int = 8) -> kvtier.KVLayout:
     layout, _ = filled_layout((16, 8192), seed=5, name="a")
-    async with kvtier.TransferEngine(layout, _config(root)) as engine:
-        assert len((await engine.store(_chunks(n), durable=True)).stored) == n
+    async with kvtier.TransferEngine(layout, prefetch_config(root)) as engine:
+        assert len((await engine.store(prefetch_chunks(n), durable=True)).stored) == n
     return layout
 
 
@@ -780,7 +781,7 @@ POLICIES = ["lru", "arc"]
 @pytest.mark.parametrize("eviction", POLICIES)
 async def test_prefetch_then_load_is_one_use(tmp_path: Path, eviction: str) -> None:
     layout = await _on_nvme(tmp_path)
-    c = _chunks(3)
+    c = prefetch_chunks(3)
     async with kvtier.TransferEngine(layout, _policy_config(tmp_path, eviction)) as engine:
         assert not (await engine.load([c[1]])).failed  # an older resident key
         res = await engine.prefetch([c[0].key])
@@ -813,7 +814,7 @@ async def test_load_then_prefetch_is_a_refresh_and_the_next_load_a_second_use(
     tmp_path: Path, eviction: str
 ) -> None:
     layout = await _on_nvme(tmp_path)
-    c = _chunks(3)
+    c = prefetch_chunks(3)
     async with kvtier.TransferEngine(layout, _policy_config(tmp_path, eviction)) as engine:
         assert not (await engine.load([c[0]])).failed  # cold: one use
         assert not (await engine.load([c[1], c[2]])).failed
@@ -831,7 +832,7 @@ async def test_load_then_prefetch_is_a_refresh_and_the_next_load_a_second_use(
 @pytest.mark.parametrize("eviction", POLICIES)
 async def test_prefetch_twice_then_load_is_still_one_use(tmp_path: Path, eviction: str) -> None:
     layout = await _on_nvme(tmp_path)
-    c = _chunks(2)
+    c = prefetch_chunks(2)
     async with kvtier.TransferEngine(layout, _policy_config(tmp_path, eviction)) as engine:
         assert (await engine.prefetch([c[0].key])).promoted == (c[0].key,)
         assert not (await engine.load([c[1]])).failed
@@ -853,7 +854,7 @@ async def test_a_skipped_store_after_a_prefetch_is_the_first_use(
     tmp_path: Path, eviction: str
 ) -> None:
     layout = await _on_nvme(tmp_path)
-    c = _chunks(2)
+    c = prefetch_chunks(2)
     async with kvtier.TransferEngine(layout, _policy_config(tmp_path, eviction)) as engine:
         await engine.prefetch([c[0].key])
         assert not (await engine.load([c[1]])).failed
@@ -885,7 +886,7 @@ async def test_a_prefetched_key_evicted_before_its_load_then_loaded_cold_is_used
 
     async def run(prefetch: bool, root: Path) -> tuple[str, float, dict[str, Any]]:
         layout = await _on_nvme(root)
-        c = _chunks(5)
+        c = prefetch_chunks(5)
         async with kvtier.TransferEngine(layout, _policy_config(root, eviction, 3)) as engine:
             if prefetch:
                 assert (await engine.prefetch([c[0].key])).promoted == (c[0].key,)
@@ -911,7 +912,7 @@ async def test_a_prefetch_waiting_for_a_store_in_flight_leaves_the_store_as_the_
     tmp_path: Path, eviction: str
 ) -> None:
     layout, _ = filled_layout((16, 8192), seed=5, name="a")
-    c = _chunks(2)
+    c = prefetch_chunks(2)
     async with kvtier.TransferEngine(layout, _policy_config(tmp_path, eviction)) as engine:
         store = asyncio.ensure_future(engine.store([c[0]]))
         await asyncio.sleep(0)  # the store is submitted, its copy not ended
@@ -934,7 +935,7 @@ async def test_a_load_and_a_prefetch_of_one_nvme_key_at_once_are_one_use(
     # Whichever call starts the promotion, the other waits for it: the load is
     # the key's one use, the prefetch a hint. No hint is left behind.
     layout = await _on_nvme(tmp_path)
-    c = _chunks(2)
+    c = prefetch_chunks(2)
     async with kvtier.TransferEngine(layout, _policy_config(tmp_path, eviction)) as engine:
         prefetch = engine.prefetch([c[0].key])
         load = engine.load([c[0]])
@@ -958,7 +959,7 @@ async def test_a_prefetch_cancelled_during_its_read_leaves_a_hinted_key(
     tmp_path: Path, eviction: str
 ) -> None:
     layout = await _on_nvme(tmp_path)
-    c = _chunks(2)
+    c = prefetch_chunks(2)
     async with kvtier.TransferEngine(layout, _policy_config(tmp_path, eviction)) as engine:
         call = asyncio.ensure_future(engine.prefetch([c[0].key]))
         for _ in range(200):  # until its read is in flight
@@ -988,7 +989,7 @@ async def test_a_prefetch_cancelled_while_waiting_for_a_store_changes_nothing(
     tmp_path: Path, eviction: str
 ) -> None:
     layout, _ = filled_layout((16, 8192), seed=5, name="a")
-    c = _chunks(1)
+    c = prefetch_chunks(1)
     async with kvtier.TransferEngine(layout, _policy_config(tmp_path, eviction)) as engine:
         store = asyncio.ensure_future(engine.store(c))
         call = asyncio.ensure_future(engine.prefetch([c[0].key]))
@@ -1006,7 +1007,7 @@ async def test_a_prefetch_cancelled_while_waiting_for_a_store_changes_nothing(
 @pytest.mark.parametrize("eviction", POLICIES)
 def test_background_engine_prefetch_is_a_hint(tmp_path: Path, eviction: str) -> None:
     layout = asyncio.run(_on_nvme(tmp_path))
-    c = _chunks(2)
+    c = prefetch_chunks(2)
     with kvtier.BackgroundEngine(layout, _policy_config(tmp_path, eviction)) as bg:
         assert bg.prefetch([c[0].key]).result(timeout=60).promoted == (c[0].key,)
         assert not bg.load([c[1]]).result(timeout=60).failed
