@@ -31,7 +31,7 @@ from kvtier import metrics as kvmetrics
 from kvtier._policy import ARCPolicy
 from kvtier.metrics import register_prometheus, unregister_prometheus
 from tests.engine.helpers import key
-from tests.engine.test_policy_stats import _check_invariants, _config, _k, _layout
+from tests.engine.policy_rig import check_invariants, policy_config, policy_key, policy_layout
 from tests.reliability._faultio import KeyFault, Wrapper
 
 
@@ -68,11 +68,11 @@ def _check_hinted(engine: kvtier.TransferEngine) -> None:
 async def test_unregistering_a_stale_export_leaves_the_engine_that_took_its_labels() -> None:
     """Regression: unregister_prometheus of a stale export (its engine closed, its labels
     taken again by a new engine) does not pop the ident and stop the NEW engine's export."""
-    layout = _layout()
+    layout = policy_layout()
     registry = CollectorRegistry()
-    async with kvtier.TransferEngine(layout, _config(2)) as first:
+    async with kvtier.TransferEngine(layout, policy_config(2)) as first:
         old = register_prometheus(first, registry, labels={"rank": "0"})
-    async with kvtier.TransferEngine(layout, _config(3)) as second:
+    async with kvtier.TransferEngine(layout, policy_config(3)) as second:
         new = register_prometheus(second, registry, labels={"rank": "0"})
         assert _free(registry, rank="0") == 3
         unregister_prometheus(old)  # late clean-up of the first engine's export
@@ -83,12 +83,12 @@ async def test_unregistering_a_stale_export_leaves_the_engine_that_took_its_labe
 
 
 async def test_unregister_twice_and_after_the_engine_died_and_reregister() -> None:
-    layout = _layout()
+    layout = policy_layout()
     registry = CollectorRegistry()
-    engine = kvtier.TransferEngine(layout, _config(2))
+    engine = kvtier.TransferEngine(layout, policy_config(2))
     async with engine:
         export = register_prometheus(engine, registry, labels={"rank": "0"})
-        other = kvtier.TransferEngine(layout, _config(4))
+        other = kvtier.TransferEngine(layout, policy_config(4))
         async with other:
             keep = register_prometheus(other, registry, labels={"rank": "1"})
             assert _free(registry, rank="0") == 2
@@ -103,7 +103,7 @@ async def test_unregister_twice_and_after_the_engine_died_and_reregister() -> No
     assert list(registry.collect()) == []
     assert not kvmetrics._EXPORTERS.get(registry)  # the collector left the registry
     # a fresh export builds a new collector, and a stale export of the old one is inert
-    async with kvtier.TransferEngine(layout, _config(3)) as third:
+    async with kvtier.TransferEngine(layout, policy_config(3)) as third:
         again = register_prometheus(third, registry, labels={"rank": "0"})
         unregister_prometheus(export)
         assert _free(registry, rank="0") == 3
@@ -112,17 +112,17 @@ async def test_unregister_twice_and_after_the_engine_died_and_reregister() -> No
 
 
 async def test_engines_with_different_label_names_share_valid_families(tmp_path: Path) -> None:
-    layout = _layout()
+    layout = policy_layout()
     registry = CollectorRegistry()
     async with (
-        kvtier.TransferEngine(layout, _config(2, "lru", tmp_path / "a", namespace="a")) as e0,
-        kvtier.TransferEngine(layout, _config(3)) as e1,
-        kvtier.TransferEngine(layout, _config(4)) as e2,
+        kvtier.TransferEngine(layout, policy_config(2, "lru", tmp_path / "a", namespace="a")) as e0,
+        kvtier.TransferEngine(layout, policy_config(3)) as e1,
+        kvtier.TransferEngine(layout, policy_config(4)) as e2,
     ):
         register_prometheus(e0, registry)  # no constant labels at all
         register_prometheus(e1, registry, labels={"rank": "1"})
         register_prometheus(e2, registry, labels={"rank": "2", "host": "h"})
-        await e0.store([kvtier.Chunk(_k(1), [1])])
+        await e0.store([kvtier.Chunk(policy_key(1), [1])])
         fams = _om_families(registry)
         names = [f.name for f in fams]
         assert len(names) == len(set(names))
@@ -142,7 +142,7 @@ async def test_engines_with_different_label_names_share_valid_families(tmp_path:
 async def test_label_values_with_quotes_newlines_and_unicode_round_trip() -> None:
     registry = CollectorRegistry()
     value = 'a"b\nc\\d é ☃ {x="y"}'
-    async with kvtier.TransferEngine(_layout(), _config(2)) as engine:
+    async with kvtier.TransferEngine(policy_layout(), policy_config(2)) as engine:
         register_prometheus(engine, registry, labels={"model": value, "rank": "0"})
         fams = _om_families(registry)
         assert fams
@@ -164,8 +164,8 @@ async def test_namespaces_that_escape_alike_never_give_clashing_families() -> No
     giving the same families (two # TYPE lines, 'Clashing name' in the OpenMetrics parser)."""
     registry = CollectorRegistry()
     async with (
-        kvtier.TransferEngine(_layout(), _config(2)) as e0,
-        kvtier.TransferEngine(_layout(), _config(2)) as e1,
+        kvtier.TransferEngine(policy_layout(), policy_config(2)) as e0,
+        kvtier.TransferEngine(policy_layout(), policy_config(2)) as e1,
     ):
         exports = []
         for engine, ns, rank in ((e0, "my-ns", "0"), (e1, "my_ns", "1")):
@@ -182,9 +182,9 @@ async def test_namespaces_that_escape_alike_never_give_clashing_families() -> No
 
 
 async def test_many_engines_one_family_each_and_all_samples() -> None:
-    layout = _layout()
+    layout = policy_layout()
     registry = CollectorRegistry()
-    engines = [kvtier.TransferEngine(layout, _config(1 + i % 3)) for i in range(12)]
+    engines = [kvtier.TransferEngine(layout, policy_config(1 + i % 3)) for i in range(12)]
     exports = []
     try:
         for i, e in enumerate(engines):
@@ -209,17 +209,17 @@ async def test_many_engines_one_family_each_and_all_samples() -> None:
 
 
 async def test_engine_registered_before_start_is_exported_and_blocks_its_labels() -> None:
-    layout = _layout()
+    layout = policy_layout()
     registry = CollectorRegistry()
-    engine = kvtier.TransferEngine(layout, _config(3))
+    engine = kvtier.TransferEngine(layout, policy_config(3))
     export = register_prometheus(engine, registry, labels={"rank": "0"})
     assert _free(registry, rank="0") == 3  # stats of a new engine: all free
     with pytest.raises(errors.InvalidArgumentError):  # a not yet started engine is live
         register_prometheus(
-            kvtier.TransferEngine(layout, _config(2)), registry, labels={"rank": "0"}
+            kvtier.TransferEngine(layout, policy_config(2)), registry, labels={"rank": "0"}
         )
     async with engine:
-        await engine.store([kvtier.Chunk(_k(1), [1])])
+        await engine.store([kvtier.Chunk(policy_key(1), [1])])
         assert _free(registry, rank="0") == 2
         assert (
             registry.get_sample_value(
@@ -234,15 +234,15 @@ async def test_engine_registered_before_start_is_exported_and_blocks_its_labels(
 async def test_counters_of_a_reopened_engine_with_the_same_labels_restart_at_zero() -> None:
     """A counter reset across a restart is what Prometheus' rate() expects (it treats a
     decrease as a reset); the exposition stays valid and one series per label set."""
-    layout = _layout()
+    layout = policy_layout()
     registry = CollectorRegistry()
     exports = []
     seen = []
     for _ in range(2):
-        async with kvtier.TransferEngine(layout, _config(2)) as engine:
+        async with kvtier.TransferEngine(layout, policy_config(2)) as engine:
             exports.append(register_prometheus(engine, registry, labels={"rank": "0"}))
-            await engine.store([kvtier.Chunk(_k(1), [1])])
-            await engine.load([kvtier.Chunk(_k(1), [2]), kvtier.Chunk(_k(2), [3])])
+            await engine.store([kvtier.Chunk(policy_key(1), [1])])
+            await engine.load([kvtier.Chunk(policy_key(1), [2]), kvtier.Chunk(policy_key(2), [3])])
             value = registry.get_sample_value
             seen.append(value("kvtier_lookups_total", {"rank": "0", "outcome": "hit"}))
             fams = _om_families(registry)
@@ -255,7 +255,7 @@ async def test_counters_of_a_reopened_engine_with_the_same_labels_restart_at_zer
 
 async def test_default_global_registry() -> None:
     labels = {"suite": "default-registry"}
-    async with kvtier.TransferEngine(_layout(), _config(2)) as engine:
+    async with kvtier.TransferEngine(policy_layout(), policy_config(2)) as engine:
         export = register_prometheus(engine, labels=labels)
         try:
             assert export.registry is prometheus_client.REGISTRY
@@ -277,7 +277,7 @@ async def test_default_global_registry() -> None:
 
 async def test_a_dropped_registry_is_forgotten_and_keeps_no_engine_alive() -> None:
     registry = CollectorRegistry()
-    engine = kvtier.TransferEngine(_layout(), _config(2))
+    engine = kvtier.TransferEngine(policy_layout(), policy_config(2))
     async with engine:
         export = register_prometheus(engine, registry, labels={"rank": "0"})
         reg_ref = weakref.ref(registry)
@@ -298,10 +298,10 @@ async def test_dead_engines_do_not_accumulate_in_the_exporter() -> None:
     """Regression (a minor leak): an export whose engine was closed and garbage collected
     without unregister_prometheus does not stay in _Exporter.engines forever (a dead
     weakref per label set, which collect() walks)."""
-    layout = _layout()
+    layout = policy_layout()
     registry = CollectorRegistry()
     for i in range(40):  # e.g. one engine per job or request id, never unregistered
-        async with kvtier.TransferEngine(layout, _config(1)) as engine:
+        async with kvtier.TransferEngine(layout, policy_config(1)) as engine:
             register_prometheus(engine, registry, labels={"job": str(i)})
         del engine
     gc.collect()
@@ -311,9 +311,9 @@ async def test_dead_engines_do_not_accumulate_in_the_exporter() -> None:
 
 
 def test_register_unregister_and_scrape_race_from_many_threads() -> None:
-    layout = _layout()
+    layout = policy_layout()
     registry = CollectorRegistry()
-    engines = [kvtier.TransferEngine(layout, _config(2)) for _ in range(4)]  # never started
+    engines = [kvtier.TransferEngine(layout, policy_config(2)) for _ in range(4)]  # never started
     errors_seen: list[BaseException] = []
     stop = threading.Event()
     barrier = threading.Barrier(5)
@@ -361,7 +361,7 @@ def test_register_unregister_and_scrape_race_from_many_threads() -> None:
 def test_scrapes_across_background_engine_start_and_close(tmp_path: Path) -> None:
     """Scrape on one thread while BackgroundEngines with the same labels open, work and
     close one after another: every scrape parses as OpenMetrics and its slots add up."""
-    layout = _layout()
+    layout = policy_layout()
     registry = CollectorRegistry()
     stop = threading.Event()
     problems: list[object] = []
@@ -388,12 +388,12 @@ def test_scrapes_across_background_engine_start_and_close(tmp_path: Path) -> Non
     thread.start()
     try:
         for i in range(12):
-            bg = kvtier.BackgroundEngine(layout, _config(3, "arc", tmp_path))
+            bg = kvtier.BackgroundEngine(layout, policy_config(3, "arc", tmp_path))
             export = register_prometheus(bg.engine, registry, labels={"rank": "0"})
             with bg:
-                bg.store([kvtier.Chunk(_k(j), [j]) for j in range(4)]).result()
-                bg.prefetch([_k(0), _k(1)]).result()
-                bg.load([kvtier.Chunk(_k(3), [9])]).result()
+                bg.store([kvtier.Chunk(policy_key(j), [j]) for j in range(4)]).result()
+                bg.prefetch([policy_key(0), policy_key(1)]).result()
+                bg.load([kvtier.Chunk(policy_key(3), [9])]).result()
             if i % 2:
                 unregister_prometheus(export)
     finally:
@@ -442,17 +442,17 @@ async def test_engine_prefetch_then_load_of_a_ghost_moves_p_like_a_load(tmp_path
     ghost ratio)."""
 
     async def run(prefetch: bool, root: Path) -> float:
-        layout = _layout()
-        async with kvtier.TransferEngine(layout, _config(4, "arc", root)) as engine:
-            hot = [_k(f"h{i}") for i in range(4)]
+        layout = policy_layout()
+        async with kvtier.TransferEngine(layout, policy_config(4, "arc", root)) as engine:
+            hot = [policy_key(f"h{i}") for i in range(4)]
             await engine.store([kvtier.Chunk(k, [i]) for i, k in enumerate(hot)])
             await engine.load([kvtier.Chunk(k, [10 + i]) for i, k in enumerate(hot)])  # T2
             await engine.flush()
-            cold = [_k(c) for c in "abcd"]
+            cold = [policy_key(c) for c in "abcd"]
             # a call's first chunk ends its newest: stored reversed, cold[0] is the oldest
             await engine.store([kvtier.Chunk(k, [i]) for i, k in enumerate(cold)][::-1])
             await engine.flush()
-            await engine.store([kvtier.Chunk(_k(c), [i]) for i, c in enumerate("ef")])
+            await engine.store([kvtier.Chunk(policy_key(c), [i]) for i, c in enumerate("ef")])
             await engine.flush()
             arc = _arc(engine)
             assert set(arc.b1) == {cold[0], cold[1]}
@@ -462,23 +462,25 @@ async def test_engine_prefetch_then_load_of_a_ghost_moves_p_like_a_load(tmp_path
                 assert arc.p == 0.0
             assert not (await engine.load([kvtier.Chunk(cold[0], [20])])).failed
             assert cold[0] in arc.t2
-            _check_invariants(engine)
+            check_invariants(engine)
             return arc.p
 
     assert await run(True, tmp_path / "p") == await run(False, tmp_path / "l")
 
 
 async def test_arc_hinted_ghost_stored_again_prefetched_twice_and_evicted(tmp_path: Path) -> None:
-    layout = _layout()
-    async with kvtier.TransferEngine(layout, _config(4, "arc", tmp_path)) as engine:
+    layout = policy_layout()
+    async with kvtier.TransferEngine(layout, policy_config(4, "arc", tmp_path)) as engine:
         arc = _arc(engine)
         names = "abcd"
         # a call's first chunk ends its newest: stored reversed, a is the oldest
-        await engine.store([kvtier.Chunk(_k(c), [i]) for i, c in enumerate(names)][::-1])
+        await engine.store([kvtier.Chunk(policy_key(c), [i]) for i, c in enumerate(names)][::-1])
         await engine.flush()
-        await engine.store([kvtier.Chunk(_k(c), [i]) for i, c in enumerate("ef")])  # a, b -> B1
+        await engine.store(
+            [kvtier.Chunk(policy_key(c), [i]) for i, c in enumerate("ef")]
+        )  # a, b -> B1
         await engine.flush()
-        a, b = _k("a"), _k("b")
+        a, b = policy_key("a"), policy_key("b")
         assert {a, b} <= set(arc.b1)
         # prefetched twice: one promotion, a hint both times, still no use
         assert (await engine.prefetch([a, b])).promoted == (a, b)
@@ -487,7 +489,7 @@ async def test_arc_hinted_ghost_stored_again_prefetched_twice_and_evicted(tmp_pa
         assert arc.p == 0.0
         assert a in arc.t1
         assert a not in arc.b1
-        _check_invariants(engine)
+        check_invariants(engine)
         _check_hinted(engine)
         # a stored again: the skipped store is a use -> its ghost hit, T2, p adapts
         res = await engine.store([kvtier.Chunk(a, [7])])
@@ -498,9 +500,9 @@ async def test_arc_hinted_ghost_stored_again_prefetched_twice_and_evicted(tmp_pa
         p = arc.p
         # b never used: a scan evicts it back into B1, p unchanged, no hinted leftovers
         for i in range(3):
-            await engine.store([kvtier.Chunk(_k(f"s{i}"), [10 + i])])
+            await engine.store([kvtier.Chunk(policy_key(f"s{i}"), [10 + i])])
             await engine.flush()
-            _check_invariants(engine)
+            check_invariants(engine)
             _check_hinted(engine)
         assert b in arc.b1
         assert b not in arc.t1
@@ -517,15 +519,15 @@ async def test_arc_hinted_ghost_stored_again_prefetched_twice_and_evicted(tmp_pa
 
 
 async def test_arc_failed_prefetch_of_a_ghost_leaves_it_a_ghost(tmp_path: Path) -> None:
-    layout = _layout()
-    a = _k("a")
+    layout = policy_layout()
+    a = policy_key("a")
     wrapper = Wrapper(KeyFault("read", "errno", frozenset({a.block_hash}), times=1))
-    async with kvtier.TransferEngine(layout, _config(2, "arc", tmp_path, wrapper)) as engine:
+    async with kvtier.TransferEngine(layout, policy_config(2, "arc", tmp_path, wrapper)) as engine:
         arc = _arc(engine)
         # a call's first chunk ends its newest: stored reversed, a is the oldest
-        await engine.store([kvtier.Chunk(_k(c), [i]) for i, c in enumerate("ab")][::-1])
+        await engine.store([kvtier.Chunk(policy_key(c), [i]) for i, c in enumerate("ab")][::-1])
         await engine.flush()
-        await engine.store([kvtier.Chunk(_k("c"), [2])])  # a -> B1
+        await engine.store([kvtier.Chunk(policy_key("c"), [2])])  # a -> B1
         await engine.flush()
         assert a in arc.b1
         res = await engine.prefetch([a])
@@ -536,33 +538,33 @@ async def test_arc_failed_prefetch_of_a_ghost_leaves_it_a_ghost(tmp_path: Path) 
         assert a not in arc.hinted_ghosts
         assert arc.p == 0.0
         assert engine._pool.get(a) is None
-        _check_invariants(engine)
+        check_invariants(engine)
         _check_hinted(engine)
 
 
 async def test_arc_hint_fuzz_keeps_hinted_ghosts_in_step_with_the_pool(tmp_path: Path) -> None:
-    layout = _layout()
+    layout = policy_layout()
     names = list(range(14))
-    bad = frozenset(_k(n).block_hash for n in names if n % 5 == 2)
+    bad = frozenset(policy_key(n).block_hash for n in names if n % 5 == 2)
     wrapper = Wrapper(KeyFault("read", "errno", bad, times=8))
     rnd = random.Random(9)
-    async with kvtier.TransferEngine(layout, _config(4, "arc", tmp_path, wrapper)) as engine:
+    async with kvtier.TransferEngine(layout, policy_config(4, "arc", tmp_path, wrapper)) as engine:
         arc = _arc(engine)
         most = 0
         for _ in range(260):
             op = rnd.random()
             ns = rnd.sample(names, rnd.randint(1, 3))
             if op < 0.35:
-                await engine.store([kvtier.Chunk(_k(n), [i]) for i, n in enumerate(ns)])
+                await engine.store([kvtier.Chunk(policy_key(n), [i]) for i, n in enumerate(ns)])
             elif op < 0.6:
-                await engine.prefetch([_k(n) for n in ns])
+                await engine.prefetch([policy_key(n) for n in ns])
             elif op < 0.9:
-                await engine.load([kvtier.Chunk(_k(n), [20 + i]) for i, n in enumerate(ns)])
+                await engine.load([kvtier.Chunk(policy_key(n), [20 + i]) for i, n in enumerate(ns)])
             else:
                 with contextlib.suppress(errors.NotDurableError):
                     await engine.flush()
             most = max(most, len(arc.hinted_ghosts))
-            _check_invariants(engine)
+            check_invariants(engine)
             _check_hinted(engine)
         assert most > 0  # the hint path was exercised
         assert engine.stats().evictions > 50
@@ -570,9 +572,9 @@ async def test_arc_hint_fuzz_keeps_hinted_ghosts_in_step_with_the_pool(tmp_path:
 
 async def test_lru_ignores_the_hint_machinery(tmp_path: Path) -> None:
     """LRU: a prefetched key is most recently used; its first load is a plain touch."""
-    layout = _layout()
-    async with kvtier.TransferEngine(layout, _config(3, "lru", tmp_path)) as engine:
-        a, b, c, d = (_k(n) for n in "abcd")
+    layout = policy_layout()
+    async with kvtier.TransferEngine(layout, policy_config(3, "lru", tmp_path)) as engine:
+        a, b, c, d = (policy_key(n) for n in "abcd")
         # a call's first chunk ends its newest: stored reversed, the order is a, b, c
         await engine.store([kvtier.Chunk(k, [i]) for i, k in enumerate((a, b, c))][::-1])
         await engine.flush()
@@ -586,18 +588,18 @@ async def test_lru_ignores_the_hint_machinery(tmp_path: Path) -> None:
         await engine.load([kvtier.Chunk(a, [8])])  # order d, c, a
         assert not engine._pool.get(a).hinted
         assert list(engine._pool.policy._order) == [d, c, a]
-        _check_invariants(engine)
+        check_invariants(engine)
 
 
 # ----------------------------------------------------------------------------- stats
 
 
 async def test_stats_keys_per_group_excludes_promotions_in_flight(tmp_path: Path) -> None:
-    layout = _layout(2)
+    layout = policy_layout(2)
     old = [key(f"stat-{i}", i % 2) for i in range(2)]
     gate = KeyFault("read", "block")
-    cfg = _config(4, "lru", tmp_path, Wrapper(gate), layout=layout)
-    async with kvtier.TransferEngine(layout, _config(4, "lru", tmp_path, layout=layout)) as e:
+    cfg = policy_config(4, "lru", tmp_path, Wrapper(gate), layout=layout)
+    async with kvtier.TransferEngine(layout, policy_config(4, "lru", tmp_path, layout=layout)) as e:
         await e.store([kvtier.Chunk(k, [i]) for i, k in enumerate(old)])
     async with kvtier.TransferEngine(layout, cfg) as engine:
         task = asyncio.ensure_future(engine.prefetch(old))
@@ -621,8 +623,8 @@ async def test_stats_keys_per_group_excludes_promotions_in_flight(tmp_path: Path
 
 
 def test_stats_from_another_thread_add_up_while_the_pool_churns(tmp_path: Path) -> None:
-    layout = _layout(2)
-    cfg = _config(6, "arc", tmp_path, layout=layout, bpc=2)
+    layout = policy_layout(2)
+    cfg = policy_config(6, "arc", tmp_path, layout=layout, bpc=2)
     stop = threading.Event()
     bad: list[object] = []
     reads = 0

@@ -18,86 +18,32 @@ import weakref
 from pathlib import Path
 
 import pytest
-import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as om_generate_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 
 import kvtier
 from kvtier import errors
-from kvtier._policy import ARCPolicy, LRUPolicy
+from kvtier._policy import ARCPolicy
 from kvtier.metrics import register_prometheus, unregister_prometheus
 from tests.engine.helpers import key
+from tests.engine.policy_rig import (
+    PAGE,
+    ROW,
+    check_invariants,
+    policy_config,
+    policy_key,
+    policy_layout,
+)
 from tests.reliability._faultio import KeyFault, Wrapper
-
-PAGE = 1024
-ROW = 8192  # slot_nbytes(1) of the one-group layout below (1 KiB payload + 4 KiB pad + trailer)
-
-
-def _layout(groups: int = 1) -> kvtier.KVLayout:
-    tensors = {g: {f"l{g}": torch.zeros((64, PAGE >> g), dtype=torch.uint8)} for g in range(groups)}
-    return kvtier.KVLayout.from_tensors(tensors)
-
-
-def _config(
-    nslots: int,
-    eviction: str = "lru",
-    root: Path | None = None,
-    wrapper: Wrapper | None = None,
-    namespace: str = "policy-stats",
-    layout: kvtier.KVLayout | None = None,
-    bpc: int = 1,
-) -> kvtier.EngineConfig:
-    slot = (layout or _layout()).slot_nbytes(bpc)
-    nvme = None
-    if root is not None:
-        nvme = kvtier.NVMeConfig(
-            root=str(root),
-            capacity_bytes=1 << 22,
-            namespace=namespace,
-            io_backend="posix",
-            request_nbytes=8192,  # one row per request: a fault hits exactly one key
-            row_io_wrapper=wrapper,
-        )
-    return kvtier.EngineConfig(nslots * slot, bpc, eviction=eviction, nvme=nvme)
-
-
-def _k(name: object) -> kvtier.OffloadKey:
-    return key(f"policy-{name}", 0)
-
-
-def _live(policy: object) -> set[object]:
-    """Keys the policy holds as resident (checks ARC's own invariants on the way)."""
-    if isinstance(policy, LRUPolicy):
-        return set(policy._order)
-    assert isinstance(policy, ARCPolicy)
-    t1, t2, b1, b2 = set(policy.t1), set(policy.t2), set(policy.b1), set(policy.b2)
-    assert not t1 & t2
-    assert not (t1 | t2) & (b1 | b2), "a key is both resident and a ghost"
-    assert len(b1) <= policy.capacity
-    assert len(b2) <= policy.capacity
-    return t1 | t2
-
-
-def _check_invariants(engine: kvtier.TransferEngine) -> None:
-    s = engine.stats()
-    assert s.slots_free + s.slots_writing + s.slots_resident + s.slots_pinned == s.num_slots
-    occupied = s.num_slots - s.slots_free
-    assert sum(s.keys_per_group.values()) == occupied - s.slots_writing  # resident keys only
-    assert s.reserved_nbytes == occupied * s.slot_nbytes
-    assert s.slot_waste_nbytes == s.reserved_nbytes - s.payload_nbytes >= 0
-    committed = {e.key for e in engine._pool.entries() if not e.writing}
-    assert _live(engine._pool.policy) == committed
-    assert all(e.refs >= 0 for e in engine._pool.entries())
-
 
 # ----------------------------------------------------------------------------- policies
 
 
 async def test_lru_order_follows_loads_stores_and_prefetch_not_lookups() -> None:
-    layout = _layout()
-    async with kvtier.TransferEngine(layout, _config(3)) as engine:
-        a, b, c, d, e, f = (_k(n) for n in "abcdef")
+    layout = policy_layout()
+    async with kvtier.TransferEngine(layout, policy_config(3)) as engine:
+        a, b, c, d, e, f = (policy_key(n) for n in "abcdef")
         for i, k in enumerate((a, b, c)):
             await engine.store([kvtier.Chunk(k, [i])])
         # queries are not uses: a stays least recently used
@@ -124,14 +70,14 @@ async def test_lru_order_follows_loads_stores_and_prefetch_not_lookups() -> None
 
 
 async def test_arc_ghost_lists_stay_bounded_and_disjoint_from_live_keys() -> None:
-    layout = _layout()
-    async with kvtier.TransferEngine(layout, _config(4, "arc")) as engine:
+    layout = policy_layout()
+    async with kvtier.TransferEngine(layout, policy_config(4, "arc")) as engine:
         rnd = random.Random(7)
         for i in range(200):
-            await engine.store([kvtier.Chunk(_k(i % 37), [i % 8])])
+            await engine.store([kvtier.Chunk(policy_key(i % 37), [i % 8])])
             if rnd.random() < 0.4:
-                await engine.load([kvtier.Chunk(_k(rnd.randrange(37)), [20])])
-            _check_invariants(engine)
+                await engine.load([kvtier.Chunk(policy_key(rnd.randrange(37)), [20])])
+            check_invariants(engine)
         arc = engine._pool.policy
         assert isinstance(arc, ARCPolicy)
         assert len(arc.b1) + len(arc.b2) <= 2 * engine.num_slots
@@ -142,14 +88,14 @@ async def test_arc_ghost_lists_stay_bounded_and_disjoint_from_live_keys() -> Non
 async def _arc_ghost_then_scan(tmp_path: Path, *, prefetch: bool, load: bool) -> tuple:
     """ARC, 4 slots: ``a`` evicted into B1 (row on NVMe), then prefetched and/or loaded,
     then a scan of 8 new keys. Returns (a's residency after the scan, p before the scan)."""
-    layout = _layout()
-    cfg = _config(4, "arc", tmp_path)
+    layout = policy_layout()
+    cfg = policy_config(4, "arc", tmp_path)
     async with kvtier.TransferEngine(layout, cfg) as engine:
-        a = _k("a")
+        a = policy_key("a")
         for i, name in enumerate("abcd"):
-            await engine.store([kvtier.Chunk(_k(name), [i])])
+            await engine.store([kvtier.Chunk(policy_key(name), [i])])
         await engine.flush()  # rows written: the slots are evictable
-        await engine.store([kvtier.Chunk(_k("e"), [4])])  # evicts a (T1 LRU) -> ghost B1
+        await engine.store([kvtier.Chunk(policy_key("e"), [4])])  # evicts a (T1 LRU) -> ghost B1
         await engine.flush()
         arc = engine._pool.policy
         assert engine.lookup([a]) == [kvtier.Residency.NVME]
@@ -161,9 +107,9 @@ async def _arc_ghost_then_scan(tmp_path: Path, *, prefetch: bool, load: bool) ->
         await engine.flush()
         p = arc.p
         for i in range(8):
-            await engine.store([kvtier.Chunk(_k(f"scan{i}"), [10 + i])])
+            await engine.store([kvtier.Chunk(policy_key(f"scan{i}"), [10 + i])])
             await engine.flush()
-        _check_invariants(engine)
+        check_invariants(engine)
         return engine.lookup([a])[0], p
 
 
@@ -188,7 +134,7 @@ async def test_arc_prefetch_of_a_ghost_key_without_a_load_is_not_a_use(tmp_path:
 async def test_policy_agrees_with_pool_under_faults_cancellations_and_rejections(
     tmp_path: Path, eviction: str
 ) -> None:
-    layout = _layout(2)
+    layout = policy_layout(2)
     names = list(range(24))
 
     def k2(n: int) -> kvtier.OffloadKey:
@@ -200,7 +146,7 @@ async def test_policy_agrees_with_pool_under_faults_cancellations_and_rejections
         KeyFault("read", "errno", bad, times=6),
         KeyFault("read", "short", frozenset({k2(5).block_hash}), times=3),
     )
-    cfg = _config(5, eviction, tmp_path, wrapper, layout=layout, bpc=2)
+    cfg = policy_config(5, eviction, tmp_path, wrapper, layout=layout, bpc=2)
     rnd = random.Random(11)
     async with kvtier.TransferEngine(layout, cfg) as engine:
         tasks: list[asyncio.Future] = []
@@ -228,7 +174,7 @@ async def test_policy_agrees_with_pool_under_faults_cancellations_and_rejections
             if rnd.random() < 0.3:
                 await asyncio.gather(*tasks, return_exceptions=True)
                 tasks = []
-            _check_invariants(engine)
+            check_invariants(engine)
         await asyncio.gather(*tasks, return_exceptions=True)
         unreported: set[kvtier.OffloadKey] = set()
         try:  # failed rows not yet reported by a flush of the mix
@@ -237,7 +183,7 @@ async def test_policy_agrees_with_pool_under_faults_cancellations_and_rejections
             unreported = set(exc.failed)
         assert unreported <= {k2(n) for n in names if n % 7 == 3}
         await engine.flush()  # every failure reported once
-        _check_invariants(engine)
+        check_invariants(engine)
         s = engine.stats()
         assert s.slots_pinned == s.slots_writing == 0
         assert s.evictions > 0
@@ -255,13 +201,13 @@ async def test_policy_agrees_with_pool_under_faults_cancellations_and_rejections
 async def test_stats_count_exactly_what_happened_across_faults_close_and_reopen(
     tmp_path: Path,
 ) -> None:
-    layout = _layout()
-    k = [_k(i) for i in range(8)]
+    layout = policy_layout()
+    k = [policy_key(i) for i in range(8)]
     wrapper = Wrapper(
         KeyFault("write", "errno", frozenset({k[0].block_hash}), times=1),
         KeyFault("read", "errno", frozenset({k[1].block_hash}), times=1),
     )
-    async with kvtier.TransferEngine(layout, _config(4, "lru", tmp_path, wrapper)) as engine:
+    async with kvtier.TransferEngine(layout, policy_config(4, "lru", tmp_path, wrapper)) as engine:
         await engine.store([kvtier.Chunk(k[i], [i]) for i in range(4)])
         with pytest.raises(errors.NotDurableError) as info:
             await engine.flush()
@@ -305,7 +251,7 @@ async def test_stats_count_exactly_what_happened_across_faults_close_and_reopen(
         assert getattr(after, name) == getattr(before, name), name
     assert after.nvme is not None
     assert after.nvme["rows_written"] == 7
-    async with kvtier.TransferEngine(layout, _config(4, "lru", tmp_path)) as engine:
+    async with kvtier.TransferEngine(layout, policy_config(4, "lru", tmp_path)) as engine:
         s = engine.stats()
         assert (s.hits, s.misses, s.evictions, s.store_bytes, s.slots_free) == (0, 0, 0, 0, 4)
         assert s.nvme is not None
@@ -318,18 +264,18 @@ async def test_stats_count_exactly_what_happened_across_faults_close_and_reopen(
 async def test_pinned_write_through_slots_reject_stores_and_promotions_and_are_counted(
     tmp_path: Path,
 ) -> None:
-    layout = _layout()
+    layout = policy_layout()
     gate = KeyFault("write", "block")  # every row write waits until the gate opens
     wrapper = Wrapper(gate)
-    old = _k("old")
+    old = policy_key("old")
     # a row on NVMe only, written by an earlier engine
-    async with kvtier.TransferEngine(layout, _config(2, "lru", tmp_path)) as engine:
+    async with kvtier.TransferEngine(layout, policy_config(2, "lru", tmp_path)) as engine:
         await engine.store([kvtier.Chunk(old, [9])])
-    async with kvtier.TransferEngine(layout, _config(2, "arc", tmp_path, wrapper)) as engine:
+    async with kvtier.TransferEngine(layout, policy_config(2, "arc", tmp_path, wrapper)) as engine:
         try:
-            res = await engine.store([kvtier.Chunk(_k(i), [i]) for i in range(3)])
+            res = await engine.store([kvtier.Chunk(policy_key(i), [i]) for i in range(3)])
             assert len(res.stored) == 2
-            assert res.rejected == (_k(2),)
+            assert res.rejected == (policy_key(2),)
             await asyncio.sleep(0.05)
             s = engine.stats()
             assert (s.slots_pinned, s.slots_resident, s.rejected, s.evictions) == (2, 0, 1, 0)
@@ -339,7 +285,7 @@ async def test_pinned_write_through_slots_reject_stores_and_promotions_and_are_c
             assert engine.lookup([old]) == [kvtier.Residency.NVME]
             s = engine.stats()
             assert (s.rejected, s.evictions, s.slots_pinned) == (2, 0, 2)
-            _check_invariants(engine)
+            check_invariants(engine)
         finally:
             gate.gate.set()
         await engine.flush()
@@ -347,19 +293,19 @@ async def test_pinned_write_through_slots_reject_stores_and_promotions_and_are_c
         assert not (await engine.load([kvtier.Chunk(old, [20])])).failed  # evicts one now
         s = engine.stats()
         assert (s.evictions, s.nvme_hits, s.slots_pinned) == (1, 1, 0)
-        _check_invariants(engine)
+        check_invariants(engine)
 
 
 async def test_keys_per_group_counts_resident_keys_only() -> None:
     """Regression: keys_per_group (and kvtier_resident_keys{tier='cpu'}) counts no key
     whose store is still in flight (state writing, lookup PENDING); it is documented as
     resident."""
-    layout = _layout()
-    async with kvtier.TransferEngine(layout, _config(4)) as engine:
-        task = asyncio.ensure_future(engine.store([kvtier.Chunk(_k("p"), [1])]))
+    layout = policy_layout()
+    async with kvtier.TransferEngine(layout, policy_config(4)) as engine:
+        task = asyncio.ensure_future(engine.store([kvtier.Chunk(policy_key("p"), [1])]))
         await asyncio.sleep(0)
         try:
-            assert engine.lookup([_k("p")]) == [kvtier.Residency.PENDING]
+            assert engine.lookup([policy_key("p")]) == [kvtier.Residency.PENDING]
             s = engine.stats()
             assert s.slots_writing == 1
             assert s.keys_per_group.get(0, 0) == 0
@@ -375,11 +321,11 @@ def _samples(registry: CollectorRegistry) -> list[tuple[str, dict[str, str], flo
 
 
 async def test_exposition_is_valid_openmetrics_with_unique_series(tmp_path: Path) -> None:
-    layout = _layout()
-    k = [_k(i) for i in range(3)]
+    layout = policy_layout()
+    k = [policy_key(i) for i in range(3)]
     wrapper = Wrapper(KeyFault("read", "errno", frozenset({k[0].block_hash}), times=1))
     registry = CollectorRegistry()
-    async with kvtier.TransferEngine(layout, _config(2, "lru", tmp_path, wrapper)) as engine:
+    async with kvtier.TransferEngine(layout, policy_config(2, "lru", tmp_path, wrapper)) as engine:
         collector = register_prometheus(engine, registry, labels={"rank": "0"})
         # stored reversed (a call's first chunk ends its newest): k0 is the oldest
         await engine.store([kvtier.Chunk(x, [i]) for i, x in enumerate(k[:2])][::-1])
@@ -420,11 +366,11 @@ async def test_two_engines_in_one_registry_give_a_valid_exposition() -> None:
     """Regression: two engines in one registry (the documented labels={'rank': ...}
     set-up) expose each family once, not once per engine's collector: no duplicate
     # HELP/# TYPE lines, which OpenMetrics rejects ('Clashing name')."""
-    layout = _layout()
+    layout = policy_layout()
     registry = CollectorRegistry()
     async with (
-        kvtier.TransferEngine(layout, _config(2)) as e0,
-        kvtier.TransferEngine(layout, _config(2)) as e1,
+        kvtier.TransferEngine(layout, policy_config(2)) as e0,
+        kvtier.TransferEngine(layout, policy_config(2)) as e1,
     ):
         register_prometheus(e0, registry, labels={"rank": "0"})
         register_prometheus(e1, registry, labels={"rank": "1"})
@@ -439,14 +385,14 @@ async def test_the_labels_of_a_closed_engine_can_be_taken_again() -> None:
     """Regression: a closed engine's labels are free, not taken until
     unregister_prometheus; register_prometheus's docstring names unregister_prometheus
     (not registry.unregister)."""
-    layout = _layout()
+    layout = policy_layout()
     registry = CollectorRegistry()
-    async with kvtier.TransferEngine(layout, _config(2)) as first:
+    async with kvtier.TransferEngine(layout, policy_config(2)) as first:
         register_prometheus(first, registry, labels={"rank": "0"})
         with pytest.raises(errors.InvalidArgumentError):
             register_prometheus(first, registry, labels={"rank": "0"})
     assert _samples(registry) == []
-    async with kvtier.TransferEngine(layout, _config(3)) as second:
+    async with kvtier.TransferEngine(layout, policy_config(3)) as second:
         export = register_prometheus(second, registry, labels={"rank": "0"})
         assert registry.get_sample_value("kvtier_slots", {"rank": "0", "state": "free"}) == 3
         unregister_prometheus(export)
@@ -455,9 +401,9 @@ async def test_the_labels_of_a_closed_engine_can_be_taken_again() -> None:
 
 async def test_closed_engine_is_freed_without_a_collector() -> None:
     # control for the test below
-    engine = kvtier.TransferEngine(_layout(), _config(2))
+    engine = kvtier.TransferEngine(policy_layout(), policy_config(2))
     async with engine:
-        await engine.store([kvtier.Chunk(_k(1), [1])])
+        await engine.store([kvtier.Chunk(policy_key(1), [1])])
     ref = weakref.ref(engine)
     del engine
     gc.collect()
@@ -469,10 +415,10 @@ async def test_collector_does_not_keep_a_closed_engine_alive() -> None:
     engine does not stay alive (pool entries, policy, ghosts) and keep being exported
     (e.g. resident slots of an unmapped pool) until someone unregisters it."""
     registry = CollectorRegistry()
-    engine = kvtier.TransferEngine(_layout(), _config(2))
+    engine = kvtier.TransferEngine(policy_layout(), policy_config(2))
     async with engine:
         register_prometheus(engine, registry)
-        await engine.store([kvtier.Chunk(_k(1), [1])])
+        await engine.store([kvtier.Chunk(policy_key(1), [1])])
     ref = weakref.ref(engine)
     del engine
     gc.collect()
@@ -487,7 +433,7 @@ async def test_constant_label_clashing_with_a_metric_label_is_refused_or_kept(
     accepted and then silently overwritten (two engines told apart by it would export
     identical series)."""
     registry = CollectorRegistry()
-    async with kvtier.TransferEngine(_layout(), _config(2, "lru", tmp_path)) as engine:
+    async with kvtier.TransferEngine(policy_layout(), policy_config(2, "lru", tmp_path)) as engine:
         try:
             register_prometheus(engine, registry, labels={"kind": "prefill"})
         except errors.InvalidArgumentError:
@@ -502,8 +448,8 @@ def test_scrape_of_a_busy_background_engine_is_a_consistent_snapshot(tmp_path: P
     for free_count and each count(state): slots by state sum to the pool size.
 
     Scrape on this thread while the engine thread stores, loads, prefetches and evicts."""
-    layout = _layout()
-    cfg = _config(8, "lru", tmp_path)
+    layout = policy_layout()
+    cfg = policy_config(8, "lru", tmp_path)
     registry = CollectorRegistry()
     stop = threading.Event()
     torn: list[dict[str, float]] = []
@@ -516,9 +462,9 @@ def test_scrape_of_a_busy_background_engine_is_a_consistent_snapshot(tmp_path: P
             i = 0
             while not stop.is_set():
                 futs = [
-                    bg.store([kvtier.Chunk(_k(4 * i + j), [j]) for j in range(4)]),
-                    bg.load([kvtier.Chunk(_k(max(0, 4 * i - 5)), [10])]),
-                    bg.prefetch([_k(max(0, 4 * i - 9))]),
+                    bg.store([kvtier.Chunk(policy_key(4 * i + j), [j]) for j in range(4)]),
+                    bg.load([kvtier.Chunk(policy_key(max(0, 4 * i - 5)), [10])]),
+                    bg.prefetch([policy_key(max(0, 4 * i - 9))]),
                 ]
                 for f in futs:
                     f.result()
