@@ -4,7 +4,7 @@ The torch path (CUDA hosts' code) is forced on CPU tensors by replacing
 ``kvtier._engine.host_pieces``. With ``copy_threads=1`` a job is ONE
 ``run_plan`` call, as on a CUDA stream, so every batch spans the whole job.
 
-* The tricky layouts of tests/reliability/test_kvikio_and_lookup.py (multi-piece
+* The tricky layouts of tests/engine/copy_layouts.py (multi-piece
   pages, odd payload prefixes shifting later layers to byte-aligned slot
   offsets, aliases in and across groups, strided slices, K/V-first pieces),
   each with several chunks per (group, sub-block range) in ONE store job and
@@ -37,8 +37,8 @@ import torch
 import kvtier
 import kvtier._transfer as transfer
 from kvtier.errors import TransferError
+from tests.engine.copy_layouts import CASES, NB, LayoutCase, check_loaded, layout_case
 from tests.engine.helpers import fill_random, key, same
-from tests.reliability.test_kvikio_and_lookup import CASES, NB, _Case, _case, _check_loaded
 
 # ---------------------------------------------------------------------- helpers
 
@@ -69,7 +69,7 @@ def _config(bpc: int) -> kvtier.EngineConfig:
     return kvtier.EngineConfig(4 << 20, bpc, copy_threads=1)
 
 
-def _many_chunks(case: _Case, seed: int) -> tuple[list[kvtier.Chunk], list[kvtier.Chunk]]:
+def _many_chunks(case: LayoutCase, seed: int) -> tuple[list[kvtier.Chunk], list[kvtier.Chunk]]:
     """Several chunks per group and sub-block range; returns (stored chunks, load targets).
 
     Plan order interleaves groups and ranges, so that a batch's chunks are not
@@ -109,7 +109,7 @@ def _many_chunks(case: _Case, seed: int) -> tuple[list[kvtier.Chunk], list[kvtie
 
 
 async def _store_and_load(
-    case: _Case, monkeypatch: pytest.MonkeyPatch, torch_path: bool
+    case: LayoutCase, monkeypatch: pytest.MonkeyPatch, torch_path: bool
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, list[int]]]:
     """ONE store job and ONE load job; returns slot images, tensors after the load, calls."""
     case.restore()
@@ -130,7 +130,7 @@ async def _store_and_load(
             out = await engine.load(moved)
             assert not out.failed, out.failed
             assert engine.stats().load_jobs == 1
-            _check_loaded(case, before, list(zip(stored, moved, strict=True)))
+            check_loaded(case, before, list(zip(stored, moved, strict=True)))
             after = [t.clone() for _, t in case.flat()]
     return images, after, calls
 
@@ -142,7 +142,7 @@ async def _store_and_load(
 async def test_one_job_of_many_chunks_per_batch_matches_the_numpy_path(
     monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
-    case = _case(name)
+    case = layout_case(name)
     np_images, np_after, np_calls = await _store_and_load(case, monkeypatch, torch_path=False)
     assert np_calls == {"batch": [], "chunk": []}  # the NumPy path never reaches torch
     t_images, t_after, t_calls = await _store_and_load(case, monkeypatch, torch_path=True)
@@ -159,7 +159,7 @@ async def test_one_job_of_many_chunks_per_batch_matches_the_numpy_path(
 
 async def test_single_chunk_batches_and_an_empty_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     """One chunk per (group, range) keeps the per-chunk code; an empty plan copies nothing."""
-    case = _case("bf16-prefix171-then-wide-layers")
+    case = layout_case("bf16-prefix171-then-wide-layers")
     case.restore()
     before = case.pages()
     chunks = [
@@ -177,7 +177,7 @@ async def test_single_chunk_batches_and_an_empty_plan(monkeypatch: pytest.Monkey
             case.scribble()
             assert not (await engine.load(moved)).failed
     assert calls == {"batch": [], "chunk": [1] * 6}
-    _check_loaded(case, before, list(zip(chunks, moved, strict=True)))
+    check_loaded(case, before, list(zip(chunks, moved, strict=True)))
 
 
 # ---------------------------------------------------------------------- order

@@ -46,6 +46,7 @@ from kvtier.io._aio import aio_supported
 from kvtier.io._format import payload_checksum
 from kvtier.io._rowio import _kvikio_oserror, probe_direct_io
 
+from ..engine.copy_layouts import CASES, NB, LayoutCase, check_loaded, layout_case
 from ..engine.helpers import fill_random, key, same
 from ..io.kvikio_standin import StandInKvikio, defaults_2502, new_defaults
 
@@ -589,110 +590,8 @@ def test_kvikio_25_02_thread_pool_is_raised_to_io_threads(monkeypatch: pytest.Mo
 
 # ====================================================================== 4. torch copy path
 
-NB = 40  # blocks per layer: group g stores from 10g..10g+9 and loads into 39-b
 
-
-@dataclass
-class _Case:
-    groups: dict[int, dict[str, torch.Tensor]]
-    block_dim: dict[str, int]
-    payload: dict[str, int]
-    bpc: int
-    staged: bool  # some layer has several pieces per page
-
-    def __post_init__(self) -> None:
-        self.pristine = {n: t.clone() for n, t in self.flat()}
-
-    def flat(self) -> list[tuple[str, torch.Tensor]]:
-        return [(n, t) for layers in self.groups.values() for n, t in layers.items()]
-
-    def restore(self) -> None:
-        for n, t in self.flat():
-            t.copy_(self.pristine[n])
-
-    def scribble(self) -> None:
-        for _, t in self.flat():
-            (t.view(torch.uint8) if t.dtype != torch.uint8 else t).fill_(0xEE)
-
-    def layout(self) -> kvtier.KVLayout:
-        return kvtier.KVLayout.from_tensors(
-            self.groups, block_dim=self.block_dim, payload_nbytes=self.payload
-        )
-
-    def pages(self) -> dict[str, tuple[torch.Tensor, int]]:
-        """``{name: (uint8 pages (NB, page bytes) in row-major order, payload bytes)}``."""
-        out = {}
-        for name, t in self.flat():
-            pages = t.movedim(self.block_dim[name], 0).contiguous().clone().view(torch.uint8)
-            pages = pages.reshape(NB, -1)
-            out[name] = (pages, self.payload.get(name, pages.shape[1]))
-        return out
-
-    def sharing(self, name: str) -> list[int]:
-        """Groups with a layer on the same storage as ``name``."""
-        ptr = dict(self.flat())[name].untyped_storage().data_ptr()
-        return [
-            g
-            for g, layers in self.groups.items()
-            if any(t.untyped_storage().data_ptr() == ptr for t in layers.values())
-        ]
-
-
-def _t(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    t = torch.empty(shape, dtype=dtype)
-    fill_random(t, seed)
-    return t
-
-
-def _case(name: str) -> _Case:
-    if name == "kv-first-f16-prefix171":
-        # pages of 2 x 120 B (K, V); 171 B = K + 51 B of V: 3 pieces, byte wide
-        t = _t((2, NB, 3, 20), torch.float16, 1)
-        return _Case({0: {"kv": t}}, {"kv": 1}, {"kv": 171}, 4, True)
-    if name == "bf16-prefix171-then-wide-layers":
-        # an odd first layer shifts the later layers to odd slot offsets; the
-        # last one has several pieces too (K, then 44 B of V), at such an offset
-        a = _t((2, NB, 3, 20), torch.bfloat16, 2)
-        w = _t((NB, 2, 8, 16), torch.bfloat16, 3)
-        kv = _t((2, NB, 4, 16), torch.float32, 4)  # K/V-first: pages of 2 x 256 B
-        return _Case(
-            {0: {"a": a, "w": w, "kv": kv}},
-            {"a": 1, "w": 0, "kv": 1},
-            {"a": 171, "kv": 300},
-            4,
-            True,
-        )
-    if name == "aliases-in-and-across-groups":
-        t = _t((2, NB, 8, 8), torch.float16, 5)  # K/V-first, 2 pieces
-        u = _t((NB, 5, 8), torch.uint8, 6)[:, :, :7]  # rows of 7 B, 8 B apart
-        return _Case(
-            {0: {"t": t, "t_alias": t[:], "u": u}, 1: {"t1": t}},
-            {"t": 1, "t_alias": 1, "u": 0, "t1": 1},
-            {"u": 33, "t1": 200},  # u: 4 rows of 7 B + 5 B; t1: K + 72 B of V
-            3,
-            True,
-        )
-    if name == "strided-slice-prefix":
-        base = _t((NB, 2, 64), torch.float16, 7)
-        s = base[:, :, :48]  # rows of 96 B, 128 B apart inside the page
-        return _Case({0: {"s": s}}, {"s": 0}, {"s": 150}, 4, True)
-    if name == "single-piece-layers":
-        a = _t((NB, 4, 32), torch.bfloat16, 8)
-        b = _t((2, NB, 16), torch.float16, 9)  # K/V-first: one strided piece (2, 32 B)
-        return _Case({0: {"a": a, "b": b}}, {"a": 0, "b": 1}, {}, 4, False)
-    raise AssertionError(name)
-
-
-CASES = [
-    "kv-first-f16-prefix171",
-    "bf16-prefix171-then-wide-layers",
-    "aliases-in-and-across-groups",
-    "strided-slice-prefix",
-    "single-piece-layers",
-]
-
-
-def _chunks(case: _Case) -> list[kvtier.Chunk]:
+def _chunks(case: LayoutCase) -> list[kvtier.Chunk]:
     """Per group: scattered, single-block (last and first sub-block), consecutive partial."""
     out = []
     for g in case.groups:
@@ -711,37 +610,8 @@ def _moved(c: kvtier.Chunk) -> kvtier.Chunk:
     return kvtier.Chunk(c.key, [NB - 1 - b for b in c.block_ids], c.offset)
 
 
-def _check_loaded(
-    case: _Case,
-    before: dict[str, tuple[torch.Tensor, int]],
-    pairs: list[tuple[kvtier.Chunk, kvtier.Chunk]],
-) -> None:
-    """Loaded blocks hold their source's payload; every other byte is still the scribble."""
-    after = case.pages()
-    loaded: dict[int, set[int]] = {}
-    for src, dst in pairs:
-        g = src.key.group_id
-        loaded.setdefault(g, set()).update(dst.block_ids)
-        for name in case.groups[g]:
-            (pb, payload), (pa, _) = before[name], after[name]
-            assert same(pa[list(dst.block_ids), :payload], pb[list(src.block_ids), :payload]), name
-    for name, (pages, _) in after.items():
-        written = {b for g in case.sharing(name) for b in loaded.get(g, set())}
-        rest = sorted(set(range(NB)) - written)
-        assert bool((pages[rest] == 0xEE).all()), f"{name}: a block of no chunk was written"
-        ptr = dict(case.flat())[name].untyped_storage().data_ptr()
-        for g in case.sharing(name):
-            ids = sorted(loaded.get(g, set()))
-            widest = max(
-                after[n][1]
-                for n, t in case.groups[g].items()
-                if t.untyped_storage().data_ptr() == ptr
-            )
-            assert bool((pages[ids, widest:] == 0xEE).all()), f"{name}: past the payload"
-
-
 async def _run(
-    case: _Case, monkeypatch: pytest.MonkeyPatch, torch_path: bool
+    case: LayoutCase, monkeypatch: pytest.MonkeyPatch, torch_path: bool
 ) -> tuple[list[torch.Tensor], int]:
     """Store the chunks, capture their slots, scribble, load them into other blocks, check.
 
@@ -778,11 +648,11 @@ async def _run(
             case.scribble()
             out = await engine.load(moved)
             assert not out.failed, out.failed
-            _check_loaded(case, before, list(zip(chunks, moved, strict=True)))
+            check_loaded(case, before, list(zip(chunks, moved, strict=True)))
             case.scribble()
             out = await engine.load(chunks)  # back into the blocks they came from
             assert not out.failed, out.failed
-            _check_loaded(case, before, [(c, c) for c in chunks])
+            check_loaded(case, before, [(c, c) for c in chunks])
     return images, staged[0]
 
 
@@ -790,7 +660,7 @@ async def _run(
 async def test_torch_path_round_trips_and_writes_the_numpy_paths_slot_bytes(
     monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
-    case = _case(name)
+    case = layout_case(name)
     numpy_images, numpy_staged = await _run(case, monkeypatch, torch_path=False)
     torch_images, torch_staged = await _run(case, monkeypatch, torch_path=True)
     assert numpy_staged == 0  # the NumPy path never stages
@@ -804,7 +674,7 @@ async def test_rows_written_by_one_copy_path_load_bitwise_on_the_other(
 ) -> None:
     # Slot bytes are the NVMe row format: a CUDA host's rows (torch path) must
     # read back bitwise on a CPU host (NumPy path), and the reverse.
-    case = _case("bf16-prefix171-then-wide-layers")
+    case = layout_case("bf16-prefix171-then-wide-layers")
     chunks = _chunks(case)
 
     def cfg(ns: str) -> kvtier.EngineConfig:
@@ -831,7 +701,7 @@ async def test_rows_written_by_one_copy_path_load_bitwise_on_the_other(
                     case.scribble()
                     out = await engine.load(chunks)
                     assert not out.failed, out.failed
-        _check_loaded(case, before, [(c, c) for c in chunks])
+        check_loaded(case, before, [(c, c) for c in chunks])
 
 
 # ====================================================================== 5. HostRegion
