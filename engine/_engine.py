@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -20,6 +19,7 @@ if TYPE_CHECKING:
 from kvtier._config import EngineConfig
 from kvtier._holds import Hold, HoldRegistry, Pins, leading
 from kvtier._jobs import Call, JobQueue, track
+from kvtier._lifecycle import Lifecycle, drain, open_nvme, open_pool, release
 from kvtier._load_order import LoadOrder, LoadTurn
 from kvtier._policy import make_policy
 from kvtier._slots import HostRegion, SlotEntry, SlotPool
@@ -49,12 +49,10 @@ from kvtier.errors import (
     BudgetError,
     ConfigError,
     DuplicateKeyError,
-    EngineClosedError,
     InvalidArgumentError,
     KeyNotResidentError,
     KVTierError,
     NotStoredError,
-    WrongThreadError,
 )
 from kvtier.layout import KVLayout
 
@@ -191,7 +189,7 @@ class TransferEngine:
         # (one tensor in several groups, as vLLM's hybrid allocator shares them) get
         # one label, and their pages compare by block id.
         self._load_order = LoadOrder(aliasing_labels(self._specs), self._validate.alias_class)
-        self._state = "new"
+        self._lifecycle = Lifecycle(type(self).__name__)
         self._region: HostRegion | None = None
         self._host: dict[int, tuple[HostPiece, ...] | None] = {}
         self._pool = SlotPool(self.num_slots, make_policy(config.eviction, self.num_slots))
@@ -200,15 +198,6 @@ class TransferEngine:
         self._tasks: set[asyncio.Future[Any]] = set()
         # Holds not yet released (aclose releases them).
         self._holds = HoldRegistry(self._pool)
-        self._close_task: asyncio.Task[None] | None = None
-        # While start() runs: its end (set once it returned or raised), and
-        # whether aclose() asked it to stop at its next step.
-        self._started: asyncio.Future[None] | None = None
-        # The loop (and its thread) that start() ran on: every other call must come from it.
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: int | None = None
-        self._close_requested = False
-        self._hard_close = False  # the close drops rows not yet written (aclose(hard=True))
         self._c = Counters()
         self._jobs = JobQueue(self._c, config.max_batch_chunks, self._executors, self._tasks)
         self._nvme: Any = None
@@ -230,70 +219,37 @@ class TransferEngine:
             NamespaceLockedError: another engine holds the NVMe namespace.
 
         """
-        if self._state != "new":
-            raise EngineClosedError(f"engine cannot start in state {self._state!r}")
-        self._state = "starting"
-        loop = self._loop = asyncio.get_running_loop()
-        self._thread = threading.get_ident()
-        started = self._started = loop.create_future()
-        try:
-            try:
-                region = HostRegion(self.num_slots * self.slot_nbytes, pin=self.config.pin_memory)
-            except (OSError, MemoryError, OverflowError) as exc:
-                raise BudgetError(
-                    f"cannot allocate the CPU pool: cpu_bytes={self.config.cpu_bytes} "
-                    f"({self.num_slots} slots of {self.slot_nbytes} bytes): {exc}"
-                ) from exc
-            self._region = region
-            self._host = {
-                g: host_pieces(
-                    self._specs[g], region.host_views, self.slot_nbytes, self.num_slots,
-                    self.blocks_per_chunk,
-                )
-                for g in self.layout.group_ids
-            }  # fmt: skip
-            prefault = loop.run_in_executor(None, region.prefault)
-            try:
-                await asyncio.shield(prefault)
-            except asyncio.CancelledError:
-                # The worker thread still writes the region: unmapping it now
-                # would crash the process. Let it finish, then clean up.
-                while not prefault.done():
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await asyncio.shield(prefault)
-                raise
-            self._stop_if_closing()
-            self._executors.update(
-                {
-                    d: CopyExecutor(self.layout.device, d, self.config.copy_threads)
-                    for d in ("store", "load")
-                }
-            )
-            if self.config.nvme is not None:
-                from kvtier._writeback import NVMeWriter, WriterParts, open_tier
-
-                self._nvme = await open_tier(self.config.nvme, self.layout, self.blocks_per_chunk)
-                parts = WriterParts(
-                    self.layout, self.blocks_per_chunk, self.slot_nbytes, self._pool, region,
-                    self._ready, self._c,
-                )  # fmt: skip
-                self._writer = NVMeWriter(parts, self._nvme, on_promoted=self._holds.promoted)
-                self._stop_if_closing()
-        except BaseException:
-            self._state = "closed"
-            try:
-                await self._release()
-            finally:
-                started.set_result(None)
-            raise
-        self._state = "open"
-        started.set_result(None)
+        await self._lifecycle.start(self._set_up, self._release)
         return self
 
-    def _stop_if_closing(self) -> None:
-        """Inside :meth:`start`: raise if :meth:`aclose` was called meanwhile."""
-        if self._close_requested:
-            raise EngineClosedError("engine closed (aclose) while it was starting")
+    async def _set_up(self) -> None:
+        """The start's steps: the CPU pool, the copy threads, the NVMe tier and its writer."""
+        life = self._lifecycle
+        region = self._region = await open_pool(
+            self.num_slots, self.slot_nbytes, self.config.cpu_bytes, self.config.pin_memory
+        )
+        self._host = {
+            g: host_pieces(
+                self._specs[g], region.host_views, self.slot_nbytes, self.num_slots,
+                self.blocks_per_chunk,
+            )
+            for g in self.layout.group_ids
+        }  # fmt: skip
+        life.stop_if_closing()
+        threads = self.config.copy_threads
+        self._executors.update(
+            {d: CopyExecutor(self.layout.device, d, threads) for d in ("store", "load")}
+        )
+        if self.config.nvme is not None:
+            from kvtier._writeback import WriterParts
+
+            parts = WriterParts(
+                self.layout, self.blocks_per_chunk, self.slot_nbytes, self._pool, region,
+                self._ready, self._c,
+            )  # fmt: skip
+            promoted = self._holds.promoted
+            self._nvme, self._writer = await open_nvme(self.config.nvme, parts, promoted)
+            life.stop_if_closing()
 
     async def __aenter__(self) -> Self:
         return await self.start()
@@ -329,77 +285,27 @@ class TransferEngine:
                 the engine's while it is not closed (nothing changed).
 
         """
-        if self._state == "new":
-            self._state = "closed"
-        if self._state != "closed":
-            self._check_thread("aclose()", loop=True)
-        if self._started is not None and not self._started.done():
-            # start() is running, or releasing after a failure: its end comes first
-            self._close_requested = True
-            # start() releases everything and raises; if this caller is
-            # cancelled meanwhile, start() still stops at its next step.
-            await asyncio.shield(self._started)
-        if self._close_task is None:
-            if self._state == "closed":
-                return
-            self._close_task = asyncio.get_running_loop().create_task(self._close(hard))
-            self._close_task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        elif hard:
-            self._request_hard_close()
-        await asyncio.shield(self._close_task)
+        await self._lifecycle.close(hard, self._drain, self._release, self._request_hard_close)
 
     def _request_hard_close(self) -> None:
-        """Make the close in progress, or about to start, hard: drop rows not yet written.
-
-        Once the engine is closed there is nothing left to drop (the writer
-        is detached then).
-        """
-        if self._state == "closed":
-            return
-        self._hard_close = True
-        if self._state == "closing" and self._writer is not None:
+        """Make the close in progress, or about to start, hard: drop rows not yet written."""
+        if self._lifecycle.request_hard_close() and self._writer is not None:
             self._writer.cancel()  # the close may be draining: now, not at its next step
 
-    async def _close(self, hard: bool) -> None:
-        self._state = "closing"
-        self._hard_close |= hard
+    async def _drain(self) -> None:
+        """The close's first step: end every hold, then wait for the work in flight."""
         for held in self._holds.live():  # a hold never keeps the engine open
             self._release_hold(held)
-        writer = self._writer
-        try:
-            while True:
-                if self._hard_close and writer is not None:
-                    writer.cancel()
-                if self._tasks:  # stores finishing now queue row writes: loop again
-                    await asyncio.gather(*list(self._tasks), return_exceptions=True)
-                elif writer is not None and writer.busy:
-                    await writer.drain()
-                else:
-                    break
-        finally:
-            self._state = "closed"
-            await self._release()
+        await drain(self._tasks, self._writer, self._lifecycle)
 
     async def _release(self) -> None:
-        # The tier's close may raise (its final fdatasync failed: StorageError);
-        # the slots, copy threads and the writer are released all the same.
+        """Free what the start set up; ``stats()`` keeps the tier's last counters."""
         try:
-            if self._nvme is not None:
-                try:
-                    await self._nvme.close()
-                finally:
-                    self._nvme_final = self._nvme_stats()  # stats() after close
-                    self._nvme = None
+            await release(self._nvme, self._writer, self._executors, self._host, self._region)
         finally:
-            if self._writer is not None:
-                self._writer.detach()
-            for ex in self._executors.values():
-                ex.close()
-            self._executors.clear()
-            self._host = {}  # views of the region: drop them before unmapping it
-            if self._region is not None:
-                self._region.close()
-                self._region = None
+            if self._nvme is not None:
+                self._nvme_final = self._nvme_stats()
+            self._nvme = self._region = None
 
     def _nvme_stats(self) -> dict[str, Any]:
         nvme = dict(self._nvme.stats())
@@ -438,36 +344,6 @@ class TransferEngine:
             return None
         return record_event(self.layout.device)  # pragma: no cover - CUDA hosts only
 
-    def _check_open(self, *, loop: bool = False) -> None:
-        """Raise unless the engine is open and called from the thread it started on.
-
-        Args:
-            loop: also require the event loop it started on (its coroutines).
-
-        Raises:
-            EngineClosedError: the engine is not open.
-            WrongThreadError: called from another thread (or event loop).
-        """
-        if self._state != "open":
-            hint = ""
-            if self._state == "new":
-                hint = " (start it first: `async with engine:` or `await engine.start()`)"
-            raise EngineClosedError(f"engine is {self._state}; no call is accepted{hint}")
-        self._check_thread("a call", loop=loop)
-
-    def _check_thread(self, what: str, *, loop: bool = False) -> None:
-        """Raise :class:`WrongThreadError` off the thread (``loop``: the loop) start() ran on."""
-        if threading.get_ident() != self._thread:
-            where = "thread"
-        elif loop and asyncio.get_running_loop() is not self._loop:
-            where = "event loop"
-        else:
-            return
-        raise WrongThreadError(
-            f"{type(self).__name__}: {what} from another {where} than the one it started on "
-            "(call it only there; a synchronous serving loop uses kvtier.BackgroundEngine)"
-        )
-
     # ------------------------------------------------------------------ queries
     def lookup(self, keys: Iterable[OffloadKey]) -> list[Residency]:
         """Where each key can be loaded from now (no I/O, never blocks).
@@ -490,7 +366,7 @@ class TransferEngine:
                 the engine's (nothing changed).
 
         """
-        self._check_open()
+        self._lifecycle.check_open()
         keys = self._validate.key_list(keys)
         out = []
         for key in keys:
@@ -537,7 +413,7 @@ class TransferEngine:
                 the engine's (nothing changed).
 
         """
-        self._check_open()
+        self._lifecycle.check_open()
         keys = self._validate.key_list(keys)
         cpu: list[OffloadKey] = []
         rows: list[tuple[OffloadKey, Any]] = []
@@ -566,8 +442,8 @@ class TransferEngine:
         """Unpin what ``held`` pinned (its engine's loop thread; idempotent)."""
         if held.released:
             return
-        if self._state in ("open", "starting"):
-            self._check_thread("Hold.release()")
+        if self._lifecycle.state in ("open", "starting"):
+            self._lifecycle.check_thread("Hold.release()")
         held.detach()
         self._holds.discard(held)
         self._release_pins(held.pins)
@@ -579,7 +455,7 @@ class TransferEngine:
         hold's scheduled :meth:`_release_dropped`) come here
         (:meth:`HoldRegistry.release`). Nothing is unpinned once the engine closed.
         """
-        refs = self._holds.release(pins, closed=self._state == "closed")
+        refs = self._holds.release(pins, closed=self._lifecycle.closed)
         if refs is None:
             return False
         if self._nvme is not None:
@@ -595,8 +471,8 @@ class TransferEngine:
         release is scheduled on the loop (thread-safe), never run here, and
         nothing is logged here (a handler could block or raise).
         """
-        loop = self._loop
-        if loop is not None and self._state != "closed":
+        loop = self._lifecycle.loop
+        if loop is not None and not self._lifecycle.closed:
             loop.call_soon_threadsafe(self._release_dropped, pins)
 
     def _release_dropped(self, pins: Pins) -> None:
@@ -677,7 +553,7 @@ class TransferEngine:
             StorageError: ``durable`` and the ``fdatasync`` failed (see :meth:`flush`).
 
         """
-        self._check_open(loop=True)
+        self._lifecycle.check_open(loop=True)
         if not isinstance(durable, bool):
             raise InvalidArgumentError(f"store(durable=...) must be a bool, got {durable!r}")
         if durable and self.config.nvme is None:
@@ -854,7 +730,7 @@ class TransferEngine:
                 the engine's (nothing changed).
 
         """
-        self._check_open(loop=True)
+        self._lifecycle.check_open(loop=True)
         chunks = self._validate.chunks(chunks, load=True)
         after = self._mark(after)
         not_stored: dict[OffloadKey, BaseException] = {}
@@ -936,7 +812,7 @@ class TransferEngine:
                 the engine's (nothing changed).
 
         """
-        self._check_open(loop=True)
+        self._lifecycle.check_open(loop=True)
         if isinstance(keys, OffloadKey | str | bytes) or not isinstance(keys, Sequence):
             raise InvalidArgumentError(
                 f"keys must be a sequence of kvtier.OffloadKey, got {type(keys).__name__}"
@@ -1114,7 +990,7 @@ class TransferEngine:
                 the engine's (nothing changed).
 
         """
-        self._check_open()
+        self._lifecycle.check_open()
         self._validate.check_key(key)
         return self._stored_range(key)
 
@@ -1219,7 +1095,7 @@ class TransferEngine:
         waiting for the same rows are not affected.
 
         """
-        self._check_open(loop=True)
+        self._lifecycle.check_open(loop=True)
         if self._writer is not None:
             await self._writer.flush()
 
@@ -1252,7 +1128,7 @@ class TransferEngine:
 
         Cancellation: the wait ends, nothing is dropped by this call.
         """
-        self._check_open(loop=True)
+        self._lifecycle.check_open(loop=True)
         # The calls in flight now (and the jobs they start), then the row
         # writes of what they stored: write-through pins their slots.
         for _ in range(3):
@@ -1264,7 +1140,7 @@ class TransferEngine:
             with contextlib.suppress(KVTierError):
                 # A row that did not become durable is dropped below anyway.
                 await self._writer.flush()
-        self._check_open()
+        self._lifecycle.check_open()
         pool = self._pool
         kept: list[OffloadKey] = []
         cpu_dropped = 0
@@ -1284,7 +1160,7 @@ class TransferEngine:
     @property
     def closed(self) -> bool:
         """Whether the engine has closed (``aclose()`` ended, or ``start()`` failed)."""
-        return self._state == "closed"
+        return self._lifecycle.closed
 
     @property
     def nvme(self) -> NVMeTier | None:
