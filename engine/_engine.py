@@ -18,10 +18,12 @@ if TYPE_CHECKING:
 
 from kvtier._config import EngineConfig
 from kvtier._holds import Hold, HoldRegistry, Pins, leading
+from kvtier._in_flight import CallContext, on_no_medium, wait_in_flight
 from kvtier._jobs import Call, JobQueue, track
 from kvtier._lifecycle import Lifecycle, drain, open_nvme, open_pool, release
 from kvtier._load_order import LoadOrder, LoadTurn
 from kvtier._policy import make_policy
+from kvtier._prefetch import run_prefetch
 from kvtier._slots import HostRegion, SlotEntry, SlotPool
 from kvtier._stats import Counters, engine_stats
 from kvtier._transfer import (
@@ -48,7 +50,6 @@ from kvtier._validation import CallValidator
 from kvtier.errors import (
     BudgetError,
     ConfigError,
-    DuplicateKeyError,
     InvalidArgumentError,
     KeyNotResidentError,
     KVTierError,
@@ -57,9 +58,6 @@ from kvtier.errors import (
 from kvtier.layout import KVLayout
 
 log = logging.getLogger("kvtier")
-
-# A load waits at most this many times for operations in flight on its keys.
-_MAX_WAIT_ROUNDS = 8
 
 
 @dataclass
@@ -99,28 +97,6 @@ async def _uninterrupted(fut: asyncio.Future[Any]) -> None:
     while not fut.done():
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.shield(fut)
-
-
-@dataclass
-class _Ctx:
-    """Set by the awaiting caller when it is cancelled.
-
-    ``woken`` (made by the caller) is set then too, so that a wait for
-    another call's turn ends at once.
-    """
-
-    cancelled: bool = False
-    woken: asyncio.Future[None] | None = None
-
-    def cancel(self) -> None:
-        """The caller is gone: copy nothing more."""
-        self.cancelled = True
-        if self.woken is not None and not self.woken.done():
-            self.woken.set_result(None)
-
-
-def _on_no_medium(key: OffloadKey) -> KeyNotResidentError:
-    return KeyNotResidentError(f"{key} is on no medium (evicted or never stored)")
 
 
 def _not_stored(chunk: Chunk, stored: tuple[int, int]) -> NotStoredError | None:
@@ -637,7 +613,7 @@ class TransferEngine:
         for key in reversed(stored):
             self._pool.commit(key)
         if stored and p.hit:  # present keys were touched at the call, before these commits
-            self._refresh_tail_first(p.keys, {k for k in p.keys if self._resident(k)})
+            self._pool.refresh_tail_first(p.keys, {k for k in p.keys if self._resident(k)})
         if not p.ready.done():  # never cancelled by kvtier; guard against outside hands
             p.ready.set_result(error is None and not cancelled)
         if self._writer is not None and (self.config.write_through or p.durable):
@@ -757,7 +733,7 @@ class TransferEngine:
                 if not self._jobs.withdraw("load", pending.call):
                     await _uninterrupted(pending.finished)
                 raise
-        ctx = _Ctx(woken=asyncio.get_running_loop().create_future())
+        ctx = CallContext(woken=asyncio.get_running_loop().create_future())
         task = asyncio.ensure_future(self._load(chunks, ctx, after, turn))
         # However the task ends (even cancelled before its first step), its turn ends.
         task.add_done_callback(lambda _: self._load_order.end(turn[0]))
@@ -813,74 +789,13 @@ class TransferEngine:
 
         """
         self._lifecycle.check_open(loop=True)
-        if isinstance(keys, OffloadKey | str | bytes) or not isinstance(keys, Sequence):
-            raise InvalidArgumentError(
-                f"keys must be a sequence of kvtier.OffloadKey, got {type(keys).__name__}"
-            )
-        keys = list(keys)  # one snapshot: checked and used
-        seen: set[OffloadKey] = set()
-        for key in keys:
-            self._validate.check_key(key)
-            if key in seen:
-                raise DuplicateKeyError(f"{key} appears twice in one call")
-            seen.add(key)
-        ctx = _Ctx()
-        task = asyncio.ensure_future(self._prefetch(keys, ctx))
-        self._track(task)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            ctx.cancelled = True  # reads not started yet are skipped
-            raise
-
-    async def _prefetch(self, keys: list[OffloadKey], ctx: _Ctx) -> PrefetchResult:
-        for _ in range(_MAX_WAIT_ROUNDS):  # stores and promotions in flight, as in _load
-            waits = {self._ready[k] for k in keys if k in self._ready}
-            if not waits or ctx.cancelled:
-                break
-            await asyncio.wait(waits)
-        if ctx.cancelled:
-            return PrefetchResult()
-        resident: list[OffloadKey] = []
-        promote: list[OffloadKey] = []
-        failed: dict[OffloadKey, BaseException] = {}
-        for key in keys:
-            entry = self._pool.get(key)
-            if entry is not None and not entry.writing:
-                # Pinned for the call: a store or promotion that needs room while
-                # the call's reads run must not evict a key reported resident.
-                self._pool.pin(key)
-                resident.append(key)
-            elif entry is None and self._nvme is not None and self._nvme.contains(key):
-                promote.append(key)
-            else:
-                failed[key] = _on_no_medium(key)
-        for key in reversed(resident):  # the call's first key ends most recent
-            self._pool.refresh(key)  # a hint, not a use: the load that follows is one
-        promoted: list[OffloadKey] = []
-        try:
-            if promote:
-                promoted, errors = await self._writer.promote(promote, protect=set(keys), hint=True)
-                failed.update(errors)
-                if promoted and resident:  # promoted after the residents were refreshed
-                    self._refresh_tail_first(keys, {*resident, *promoted})
-        finally:
-            for key in (*resident, *promoted):
-                self._pool.unpin(key)  # resident and evictable, like a stored key
-        return PrefetchResult(tuple(promoted), tuple(resident), failed)
+        keys = self._validate.distinct_keys(keys)
+        nvme, writer = self._nvme, self._writer
+        return await run_prefetch(keys, self._ready, self._pool, nvme, writer, self._tasks)
 
     def _resident(self, key: OffloadKey) -> bool:
         entry = self._pool.get(key)
         return entry is not None and not entry.writing
-
-    def _refresh_tail_first(self, keys: list[OffloadKey], resident: set[OffloadKey]) -> None:
-        """Refresh the ``resident`` ones of a call's ``keys`` from the last to the first.
-
-        The call's first key then ends the most recently used (see :meth:`store`).
-        """
-        for key in reversed(keys):
-            if key in resident:
-                self._pool.refresh(key)
 
     def _take_turn(self, chunks: list[Chunk]) -> tuple[LoadTurn, list[LoadTurn]] | None:
         """Queue a load call behind earlier waiting loads of its GPU pages, if it must wait.
@@ -933,7 +848,7 @@ class TransferEngine:
                 promote.append(chunk)
             else:
                 self._c.misses += 1
-                failed[key] = _on_no_medium(key)
+                failed[key] = on_no_medium(key)
         for chunk in reversed(pinned):  # the call's first chunk ends most recently used
             self._pool.touch(chunk.key)
         return pinned, failed
@@ -1012,18 +927,14 @@ class TransferEngine:
     async def _load(
         self,
         chunks: list[Chunk],
-        ctx: _Ctx,
+        ctx: CallContext,
         after: Any,
         turn: tuple[LoadTurn, list[LoadTurn]],
     ) -> LoadResult:
         # Wait for stores / promotions in flight on these keys, again when
         # another call started one while we waited (else the key would read
         # as a miss); a cancelled caller waits for this task, so stop then.
-        for _ in range(_MAX_WAIT_ROUNDS):
-            waits = {self._ready[c.key] for c in chunks if c.key in self._ready}
-            if not waits or ctx.cancelled:
-                break
-            await asyncio.wait(waits)  # not gather: cancelling us must not cancel them
+        await wait_in_flight(self._ready, [c.key for c in chunks], ctx)
         promote: list[Chunk] = []
         pinned, failed = self._pin_resident(chunks, promote)
         if promote:
@@ -1048,7 +959,7 @@ class TransferEngine:
             if ok and len(pinned) > len(ok):
                 # Promoted keys became resident after the hits were touched: mark the
                 # call's keys again, tail first (a refresh: no second use is counted).
-                self._refresh_tail_first([c.key for c in chunks], {c.key for c in pinned})
+                self._pool.refresh_tail_first([c.key for c in chunks], {c.key for c in pinned})
         if not pinned:
             return LoadResult((), failed)
         # Earlier loads into the blocks this call copies to submit first, so the later

@@ -256,6 +256,22 @@ class SlotPool:
         else:
             self.policy.touch(key)
 
+    def refresh_tail_first(
+        self, keys: Sequence[OffloadKey], resident: Collection[OffloadKey]
+    ) -> None:
+        """Refresh the ``resident`` ones of a call's ``keys``, from the last to the first.
+
+        The call's first key then ends the most recently used, so a prefix
+        chain passed head first loses its tail first.
+
+        Args:
+            keys: the call's keys, in call order.
+            resident: those of them to refresh (the ones in a slot now).
+        """
+        for key in reversed(keys):
+            if key in resident:
+                self.refresh(key)
+
 
 class HostRegion:
     """One page-aligned host buffer of ``num_slots * slot_nbytes`` bytes.

@@ -95,6 +95,27 @@ class CallValidator:
             self.check_key(key)
         return keys
 
+    def distinct_keys(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        """``keys`` as a list (one snapshot), each checked, none twice.
+
+        Raises:
+            InvalidArgumentError: ``keys`` is not a sequence of :class:`OffloadKey`;
+                ``DuplicateKeyError`` for a key twice, ``UnknownGroupError`` for
+                a group the layout does not have.
+        """
+        if isinstance(keys, OffloadKey | str | bytes) or not isinstance(keys, Sequence):
+            raise InvalidArgumentError(
+                f"keys must be a sequence of kvtier.OffloadKey, got {type(keys).__name__}"
+            )
+        keys = list(keys)  # one snapshot: checked and used
+        seen: set[OffloadKey] = set()
+        for key in keys:
+            self.check_key(key)
+            if key in seen:
+                raise DuplicateKeyError(f"{key} appears twice in one call")
+            seen.add(key)
+        return keys
+
     def check_key(self, key: object) -> None:
         """Raise unless ``key`` is an :class:`OffloadKey` of a group of the layout.
 
