@@ -35,37 +35,22 @@ from kvtier.io._index import SEQ_JUMP
 from ..io.conftest import GROUP_NBYTES, Slots, hashes, key, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
 from ._model import Gpu, at_rest, chunks, engine_config, load_check, nvme_config, store_ok
-from .gated_io import ROW0, payload_matches, row_writes, until_true
-from .test_nvme_failed_sync import SyncGateIO, SyncHolder, _nvme, _rows_of, gated_engine
-
-
-class LateIO(SyncGateIO):
-    """SyncGateIO whose next row write can wait on a gate *after* its bytes were written."""
-
-    def __init__(self, inner: RowIO, **kw: Any) -> None:
-        super().__init__(inner, **kw)
-        self.after_write_gate: threading.Event | None = None
-        self.after_write_entered = threading.Event()
-
-    def pwritev(self, handle: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
-        n = super().pwritev(handle, bufs, file_offset)
-        nbytes = sum(memoryview(b).nbytes for b in bufs)
-        gate = None
-        if nbytes > TRAILER_NBYTES:
-            with self.lock:
-                gate, self.after_write_gate = self.after_write_gate, None
-        if gate is not None:
-            self.after_write_entered.set()
-            gate.wait(20)
-        return n
-
-
-class LateHolder(SyncHolder):
-    io: LateIO | None  # type: ignore[assignment]
-
-    def __call__(self, inner: RowIO) -> RowIO:
-        self.io = LateIO(inner, **self.kw)
-        return self.io
+from .gated_io import (
+    ROW0,
+    LateHolder,
+    LateIO,
+    SyncGateIO,
+    SyncHolder,
+    engine_tier,
+    failed_durable_store,
+    gated_engine,
+    nvme_stat,
+    payload_matches,
+    row_writes,
+    segment_rows,
+    until_true,
+    until_true_blocking,
+)
 
 
 async def _tier(root: pathlib.Path, **over: Any) -> NVMeTier:
@@ -78,7 +63,7 @@ async def _cancelled_flush_whose_sync_fails(
     engine: kvtier.TransferEngine, io: SyncGateIO, dropped: Sequence[kvtier.OffloadKey]
 ) -> None:
     """engine.flush() is cancelled while its fdatasync runs; the sync then fails and drops."""
-    tier = _nvme(engine)
+    tier = engine_tier(engine)
     io.sync_gate = gate = threading.Event()
     io.sync_entered.clear()
     io.fdatasync_error = 1
@@ -153,7 +138,7 @@ def test_background_durable_store_after_a_cancelled_flush_rewrites_and_succeeds(
         assert isinstance(io, SyncGateIO)
         gpu.write(k1)
         assert bg.store([k1]).result(10).stored == (k1.key,)
-        _wait(lambda: _nvme_stat(bg, "rows_written") == 1, "k1's row")
+        until_true_blocking(lambda: nvme_stat(bg, "rows_written") == 1, "k1's row")
         io.sync_gate = gate
         io.fdatasync_error = 1
         flush = bg.flush()
@@ -161,39 +146,16 @@ def test_background_durable_store_after_a_cancelled_flush_rewrites_and_succeeds(
         assert bg.cancel(flush, timeout=5) is True
         io.sync_gate = None
         gate.set()
-        _wait(lambda: _nvme_stat(bg, "failures_eio") == 1, "the failed sync to drop k1")
+        until_true_blocking(
+            lambda: nvme_stat(bg, "failures_eio") == 1, "the failed sync to drop k1"
+        )
         assert bg.lookup([k1.key]) == [kvtier.Residency.CPU]
         res = bg.store([k1], durable=True).result(10)  # rewrites k1, syncs
         assert res.skipped == (k1.key,)
-        assert _nvme_stat(bg, "rows_written") == 2
+        assert nvme_stat(bg, "rows_written") == 2
     finally:
         gate.set()
         bg.close()
-
-
-def _nvme_stat(bg: kvtier.BackgroundEngine, name: str) -> int:
-    nvme = bg.stats().nvme
-    assert nvme is not None
-    return int(nvme[name])
-
-
-def _wait(cond: Any, what: str, limit_s: float = 10.0) -> None:
-    done = threading.Event()
-    for _ in range(int(limit_s / 0.002)):
-        if cond():
-            return
-        done.wait(0.002)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-async def _failed_durable_store(
-    engine: kvtier.TransferEngine, gpu: Gpu, io: SyncGateIO, chunk: kvtier.Chunk
-) -> None:
-    """A durable store of ``chunk`` whose fdatasync fails (EIO): StorageError."""
-    io.fdatasync_error = 1
-    gpu.write(chunk)
-    with pytest.raises(StorageError):
-        await engine.store([chunk], durable=True)
 
 
 async def test_dropped_keys_are_named_by_the_running_flushes_then_by_no_later_one(
@@ -204,7 +166,7 @@ async def test_dropped_keys_are_named_by_the_running_flushes_then_by_no_later_on
     async with opened as (gpu, engine, tier, io, [k0, k1, k2]):
         await store_ok(engine, gpu, [k1])
         await until_true(lambda: tier.contains(k1.key), "k1 on NVMe")
-        await _failed_durable_store(engine, gpu, io, k0)  # drops k0 and k1
+        await failed_durable_store(engine, gpu, io, k0)  # drops k0 and k1
         assert not tier.contains(k0.key)
         assert not tier.contains(k1.key)
         io.write_gate = gate = threading.Event()
@@ -237,7 +199,7 @@ async def test_durable_rewrite_of_a_dropped_key_is_not_named_by_the_next_flush(
     async with opened as (gpu, engine, tier, io, [k0, k1]):
         await store_ok(engine, gpu, [k1])
         await until_true(lambda: tier.contains(k1.key), "k1 on NVMe")
-        await _failed_durable_store(engine, gpu, io, k0)
+        await failed_durable_store(engine, gpu, io, k0)
         res = await engine.store([k1], durable=True)  # k1: rewritten and synced
         assert res.skipped == (k1.key,)
         assert tier.contains(k1.key)
@@ -377,7 +339,7 @@ async def _key0_newest_row(root: pathlib.Path) -> tuple[pathlib.Path, int, int]:
     tier.discard(key(9))
     seg = tier.directory / "g0" / "0.kvrows"
     await tier.close()
-    rows = _rows_of(seg)
+    rows = segment_rows(seg)
     (row,) = [i for i, (h, _) in rows.items() if h == b"hash-0"]
     return seg, row, rows[row][1]
 
@@ -414,7 +376,7 @@ async def test_trailer_lost_at_open_then_the_key_rewritten_a_restart_loads_the_n
         await tier.flush()
     finally:
         await tier.close()
-    assert _rows_of(seg)[row] == (b"hash-0", old_seq)  # the old row is still on disk
+    assert segment_rows(seg)[row] == (b"hash-0", old_seq)  # the old row is still on disk
     tier = await _tier(root)
     try:
         out = Slots(1, 8 * 4096)

@@ -39,13 +39,14 @@ from kvtier.errors import ConfigError, StorageError
 from kvtier.io import NVMeTier, RowIO
 from kvtier.io._index import RowIndex, RowRef
 
-from ..cli.test_bench_verification import bench_fails
+from ..cli.cli_runs import bench_fails
 from ..io.conftest import GROUP_NBYTES, Slots, key, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
 from ._faultio import kill_child, rig_factory, until_set
 from ._model import Gpu, chunks_for, engine_config, load_check, nvme_config, store_ok
 from ._model import key as model_key
-from .test_nvme_row_reuse import _read, _snapshot
+from .gated_io import read_payload, visible_payloads
+from .row_states import check_row_states
 
 TRAILER = 4096
 ROW = {g: -(-n // 4096) * 4096 + TRAILER for g, n in GROUP_NBYTES.items()}  # 20480, 8192, 16384
@@ -135,43 +136,19 @@ async def _reopened(root: pathlib.Path, **over: Any) -> tuple[dict[OffloadKey, b
     tier = NVMeTier(**tier_kwargs(root, **over))
     await tier.open()
     try:
-        return await _snapshot(tier), int(tier.stats()["invalid_rows_at_open"])
+        return await visible_payloads(tier), int(tier.stats()["invalid_rows_at_open"])
     finally:
         await tier.close()
 
 
 async def _close_and_reopen(tier: NVMeTier, root: pathlib.Path) -> dict[OffloadKey, bytes | None]:
     """Close ``tier``; a reopen finds exactly the keys and bytes it held, and no invalid row."""
-    expect = await _snapshot(tier)
+    expect = await visible_payloads(tier)
     await tier.close()
     found, invalid = await _reopened(root)
     assert found == expect
     assert invalid == 0
     return found
-
-
-def _states(
-    index: RowIndex, reserved: Sequence[RowRef] = (), reclaiming: Sequence[RowRef] = ()
-) -> None:
-    """Every allocated row in one state; bytes_used: the rows that hold or will hold data."""
-    free = [r for heap in index._free.values() for r in heap]
-    stale = list(index._stale)
-    visible = [e.ref for e in index._lru.values()]
-    zombies = list(index._zombies)
-    every = free + stale + visible + zombies + list(reserved) + list(reclaiming)
-    assert len(every) == len(set(every)), "a row in two states"
-    allocated = {
-        RowRef(g, s, i)
-        for g, segs in index._segments.items()
-        for s, (_, n) in segs.items()
-        for i in range(n)
-    }
-    assert set(every) == allocated, set(every) ^ allocated
-    rows = index.row_nbytes
-    assert index.allocated_nbytes == sum(rows(r.group_id) for r in allocated)
-    used = sum(rows(r.group_id) for r in visible + zombies + list(reserved))
-    assert index.bytes_used == used, (index.bytes_used, used)
-    assert index.bytes_used <= index.capacity_bytes
 
 
 def _check_own_bytes(found: dict[OffloadKey, bytes | None], salt: dict[OffloadKey, int]) -> None:
@@ -333,7 +310,7 @@ def test_random_index_operations_at_the_default_window_keep_every_row_accounted(
             elif reclaiming:
                 index.reclaimed(reclaiming)
                 reclaiming = []
-            _states(index, [r for _, r, _ in inflight], reclaiming)
+            check_row_states(index, [r for _, r, _ in inflight], reclaiming)
     assert windows_taken > 50  # the window really took keys out of LRU order
 
 
@@ -379,7 +356,7 @@ async def test_below_64_keys_a_full_tier_is_strict_lru_from_64_it_takes_its_own_
             assert evicted == {fill[1]}
             assert holder[0].blanked == 0  # overwritten in place
         await tier.drain()
-        _states(tier._index)
+        check_row_states(tier._index)
         found = await _close_and_reopen(tier, root)
         assert not evicted & set(found)
         _check_own_bytes(found, {})
@@ -438,12 +415,12 @@ async def test_failed_write_into_an_own_victim_row_publishes_nothing_and_leaks_n
     assert tier.stats()["failures_eio"] == 1
     await tier.flush()
     await tier.drain()
-    _states(tier._index)
+    check_row_states(tier._index)
     assert tier._index.bytes_used == sum(ROW[k.group_id] for k in tier._index.lru_keys())
     # the tier keeps working: the stale row is blanked and reused
     assert await _write(tier, buf, key(9004, 1)) == [None]
     await tier.flush()
-    _states(tier._index)
+    check_row_states(tier._index)
     found = await _close_and_reopen(tier, root)
     assert j1 not in found
     assert not set(fill[:4]) & set(found)
@@ -539,16 +516,16 @@ async def test_two_concurrent_writes_of_a_key_the_older_finishing_last_never_win
     first = asyncio.ensure_future(_write(tier, buf, k, salt=1, i=0))
     await until_set(rig.held)
     assert await _write(tier, buf, k, salt=2, i=1) == [None]
-    assert await _read(tier, buf, k, 2) == payload(k, GROUP_NBYTES[1], 2)
+    assert await read_payload(tier, buf, k, 2) == payload(k, GROUP_NBYTES[1], 2)
     rig.release.set()
     assert await first == [None]
-    assert await _read(tier, buf, k, 2) == payload(k, GROUP_NBYTES[1], 2)
+    assert await read_payload(tier, buf, k, 2) == payload(k, GROUP_NBYTES[1], 2)
     assert not tier.contains(fill[1])
     assert not tier.contains(fill[2])
     assert tier.contains(fill[0])
     await tier.flush()
     await tier.drain()
-    _states(tier._index)
+    check_row_states(tier._index)
     found = await _close_and_reopen(tier, root)
     assert found[k] == payload(k, GROUP_NBYTES[1], 2)
     _check_own_bytes(found, {k: 2})
@@ -569,7 +546,7 @@ async def test_a_row_pinned_by_a_read_is_skipped_and_the_next_own_key_in_the_win
     tier, rig = await _full_tier(root, buf, fill)
     p, x, q = fill[:3]
     rig.hold_reads = True
-    read = asyncio.ensure_future(_read(tier, buf, p, 3))
+    read = asyncio.ensure_future(read_payload(tier, buf, p, 3))
     await until_set(rig.read_held)
     rig.blanked = 0
     new = key(8000, 0)
@@ -581,10 +558,10 @@ async def test_a_row_pinned_by_a_read_is_skipped_and_the_next_own_key_in_the_win
     rig.reads_release.set()
     assert await read == payload(p, GROUP_NBYTES[0])
     rig.hold_reads = False
-    assert await _read(tier, buf, new) == payload(new, GROUP_NBYTES[0])
+    assert await read_payload(tier, buf, new) == payload(new, GROUP_NBYTES[0])
     await tier.flush()
     await tier.drain()
-    _states(tier._index)
+    check_row_states(tier._index)
     found = await _close_and_reopen(tier, root)
     assert q not in found
     assert {p, x, new} <= set(found)
@@ -608,7 +585,7 @@ async def test_discard_during_an_in_place_write_keeps_both_the_key_and_its_victi
     assert not tier.contains(fill[1])  # its victim: group 1, in place
     await tier.flush()
     await tier.drain()
-    _states(tier._index)
+    check_row_states(tier._index)
     assert tier._index.bytes_used == sum(ROW[k.group_id] for k in tier._index.lru_keys())
     found = await _close_and_reopen(tier, root)
     assert j not in found
@@ -640,10 +617,10 @@ async def test_keys_of_the_same_call_are_never_taken_as_own_victims(tmp_path, sl
     assert tier.contains(c)
     assert tier.contains(n)
     assert tier._index.lru_keys()[-2:] == [b, n]
-    assert await _read(tier, buf, b) == payload(b, GROUP_NBYTES[0], 1)
+    assert await read_payload(tier, buf, b) == payload(b, GROUP_NBYTES[0], 1)
     await tier.flush()
     await tier.drain()
-    _states(tier._index)
+    check_row_states(tier._index)
     found = await _close_and_reopen(tier, root)
     assert found[b] == payload(b, GROUP_NBYTES[0], 1)
     assert a not in found
@@ -687,7 +664,7 @@ async def test_reopen_over_capacity_then_the_window_still_reuses_rows_in_place(
     assert ev0 == 20
     assert rig.blanked < evictions // 2
     await tier.drain()
-    _states(tier._index)
+    check_row_states(tier._index)
     found = await _close_and_reopen(tier, root)
     assert not set(fill[:20]) & set(found)
     _check_own_bytes(found, {})

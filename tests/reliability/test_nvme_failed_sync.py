@@ -17,11 +17,10 @@ files. A test headed "Regression" guards against a bug the tier once had.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import pathlib
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -33,58 +32,19 @@ from kvtier.io._format import TRAILER_NBYTES
 
 from ..io.conftest import GROUP_NBYTES, Slots, hashes, key, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
-from ._model import Gpu, chunks, engine_config, nvme_config, store_ok
-from .gated_io import ROW0, ROW1, GateIO, Holder, payload_matches, row_writes, until_true
-
-
-class SyncGateIO(GateIO):
-    """GateIO whose fdatasync can wait on a gate (then fail or not) and whose writes can wait."""
-
-    def __init__(self, inner: RowIO, **kw: Any) -> None:
-        super().__init__(inner, **kw)
-        self.sync_gate: threading.Event | None = None
-        self.sync_entered = threading.Event()
-        self.write_gate: threading.Event | None = None  # the next row write waits on it
-        self.write_entered = threading.Event()
-        self.syncs = 0
-        self.paths: dict[Any, str] = {}
-        self.fail_sync_of: set[str] = set()  # 'g<group>/<n>.kvrows' whose every fdatasync fails
-
-    def open(self, path: Any, create: bool) -> Any:
-        handle = super().open(path, create)
-        p = pathlib.Path(path)  # a new segment is opened as <n>.kvrows.tmp, then renamed
-        self.paths[self._fd(handle)] = f"{p.parent.name}/{p.name.removesuffix('.tmp')}"
-        return handle
-
-    def fdatasync(self, handle: Any) -> None:
-        gate = self.sync_gate
-        if gate is not None:
-            self.sync_entered.set()
-            gate.wait(20)
-        with self.lock:
-            self.syncs += 1
-        if self.paths.get(self._fd(handle)) in self.fail_sync_of:
-            raise OSError(errno.EIO, "injected EIO on the fdatasync of one segment")
-        super().fdatasync(handle)
-
-    def pwritev(self, handle: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
-        nbytes = sum(memoryview(b).nbytes for b in bufs)
-        gate = None
-        if nbytes > TRAILER_NBYTES:  # a row write, not a blanking
-            with self.lock:
-                gate, self.write_gate = self.write_gate, None  # blocks one request
-        if gate is not None:
-            self.write_entered.set()
-            gate.wait(20)
-        return super().pwritev(handle, bufs, file_offset)
-
-
-class SyncHolder(Holder):
-    io: SyncGateIO | None
-
-    def __call__(self, inner: RowIO) -> RowIO:
-        self.io = SyncGateIO(inner, **self.kw)
-        return self.io
+from ._model import store_ok
+from .gated_io import (
+    ROW0,
+    ROW1,
+    GateIO,
+    SyncGateIO,
+    SyncHolder,
+    gated_engine,
+    payload_matches,
+    row_writes,
+    segment_rows,
+    until_true,
+)
 
 
 async def _tier(root: pathlib.Path, **over: Any) -> NVMeTier:
@@ -125,34 +85,6 @@ async def test_key_written_while_the_failing_sync_runs_is_dropped_too(
         assert not tier.contains(key(1))
     finally:
         await tier.close()
-
-
-def _nvme(engine: kvtier.TransferEngine) -> NVMeTier:
-    assert engine._writer is not None
-    return engine._writer._tier
-
-
-Opened = tuple[Gpu, kvtier.TransferEngine, NVMeTier, Any, list[kvtier.Chunk]]
-
-
-@contextlib.asynccontextmanager
-async def gated_engine(
-    tmp_path: pathlib.Path,
-    holder: Any,
-    tags: Sequence[str],
-    io_type: type[RowIO] = SyncGateIO,
-    slots: int = 8,
-) -> AsyncIterator[Opened]:
-    """An open engine of ``slots`` slots whose NVMe RowIO is ``holder``'s gated ``io_type``.
-
-    Yields ``(gpu, engine, tier, io, chunks)``: ``chunks`` of group 0, one per tag.
-    """
-    gpu = Gpu()
-    cfg = engine_config(gpu, slots, nvme_config(tmp_path, wrapper=holder))
-    async with kvtier.TransferEngine(gpu.layout, cfg) as engine:
-        io = holder.io
-        assert isinstance(io, io_type)
-        yield gpu, engine, _nvme(engine), io, chunks(list(tags), group_id=0)
 
 
 # Regression: store(durable=True) does not return success while one of its keys was dropped
@@ -215,20 +147,6 @@ async def test_flush_after_another_callers_failed_sync_names_the_dropped_key(
 # ====================================================================== scan at open
 
 
-def _rows_of(path: pathlib.Path) -> dict[int, tuple[bytes, int]]:
-    """Row index -> (block hash, seq) of every non-blank trailer of a group-0 segment."""
-    from kvtier.io._format import decode_trailer
-
-    data = path.read_bytes()
-    out = {}
-    for i, off in enumerate(range(4096, len(data) - ROW0 + 1, ROW0)):
-        trailer = data[off + ROW0 - TRAILER_NBYTES : off + ROW0]
-        if any(trailer):
-            t = decode_trailer(trailer)
-            out[i] = (t.block_hash, t.seq)
-    return out
-
-
 # Regression: a row whose trailer was unreadable at open becomes free with its trailer and its
 # (unknown, higher) seq left on disk; the key rewritten with new bytes must not get a lower
 # seq and lose to the old row at the next restart, where a load would return the older bytes
@@ -245,7 +163,7 @@ async def test_unreadable_trailer_at_open_then_the_key_rewritten_a_restart_loads
     tier.discard(key(9))
     seg = tier.directory / "g0" / "0.kvrows"
     await tier.close()
-    rows = _rows_of(seg)
+    rows = segment_rows(seg)
     (old_row,) = [i for i, (h, _) in rows.items() if h == b"hash-0"]
     old_seq = rows[old_row][1]
 
@@ -264,7 +182,7 @@ async def test_unreadable_trailer_at_open_then_the_key_rewritten_a_restart_loads
         await tier.flush()
     finally:
         await tier.close()
-    rows = _rows_of(seg)
+    rows = segment_rows(seg)
     new_seq = max(seq for h, seq in rows.values() if h == b"hash-0")
     assert rows[old_row] == (b"hash-0", old_seq)  # the old row is still on disk
     tier = await _tier(root)  # the trailer reads again

@@ -60,6 +60,7 @@ from kvtier.io import NVMeTier, RowIO
 from ..io.conftest import GROUP_NBYTES, Slots, key, payload, tier_kwargs
 from ..io.faults import CountingRowIO, DelegatingRowIO, Fault, FaultyRowIO
 from ._model import Gpu, chunks_for, engine_config, load_check, nvme_config, store_ok
+from .gated_io import read_payload, visible_payloads
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TRAILER = 4096
@@ -90,29 +91,12 @@ async def _write(tier: NVMeTier, buf: Slots, k: OffloadKey, salt: int = 0) -> No
     assert await tier.write_rows([(k, 0, 4, buf.fill(0, data))]) == [None], k
 
 
-async def _read(tier: NVMeTier, buf: Slots, k: OffloadKey, i: int = 0) -> bytes | None:
-    """The payload of a visible key read into slot ``i`` (its range must be 0..4), or None."""
-    (got,) = await tier.read_rows([(k, buf[i])])
-    if isinstance(got, BaseException):
-        return None
-    assert got == (0, 4), (k, got)
-    return bytes(buf[i][: GROUP_NBYTES[k.group_id]])
-
-
-async def _snapshot(tier: NVMeTier) -> dict[OffloadKey, bytes | None]:
-    buf = Slots(1, 8 * 4096)
-    try:
-        return {k: await _read(tier, buf, k) for k in list(tier.keys())}
-    finally:
-        buf.close()
-
-
 async def _reopened(root: pathlib.Path, **over: Any) -> dict[OffloadKey, bytes | None]:
     """Open the namespace, read every visible key, close."""
     tier = NVMeTier(**tier_kwargs(root, **over))
     await tier.open()
     try:
-        return await _snapshot(tier)
+        return await visible_payloads(tier)
     finally:
         await tier.close()
 
@@ -381,11 +365,11 @@ async def test_discard_of_a_key_evicted_before_never_returns_after_close(tmp_pat
     await tier.open()
     k = await _discard_workload(tier, holder[0], slots(1))
     assert not tier.contains(k)
-    expect = await _snapshot(tier)
+    expect = await visible_payloads(tier)
     await tier.close()
     tier = NVMeTier(**tier_kwargs(root))  # room for every row on disk
     await tier.open()
-    assert await _snapshot(tier) == expect
+    assert await visible_payloads(tier) == expect
     assert tier.stats()["invalid_rows_at_open"] == 0
     await tier.close()
 
@@ -492,7 +476,7 @@ async def test_failed_blanking_is_counted_and_brings_back_only_own_bytes(tmp_pat
     assert tier.stats()["reclaim_failures"] == 1
     discarded = keys[1]
     tier.discard(discarded)  # blanked by the close: EIO again
-    expect = await _snapshot(tier)
+    expect = await visible_payloads(tier)
     await tier.close()
     assert holder[0].hits == 2
     assert tier.stats()["reclaim_failures"] == 2
@@ -542,7 +526,7 @@ async def test_failed_fdatasync_after_an_overwrite_in_place_then_close_loses_bot
         await tier.flush()
     armed[0] = False
     assert not tier.contains(new)  # dropped: not known durable
-    expect = await _snapshot(tier)
+    expect = await visible_payloads(tier)
     assert set(expect) == set(keys[1:]) - {key(10, 2)}
     await tier.close()
     found = await _reopened(root)
@@ -601,7 +585,7 @@ async def test_row_pinned_by_a_read_is_never_evicted_or_overwritten_by_other_gro
     assert await read == [(0, 4)]
     assert bytes(out[0][: GROUP_NBYTES[0]]) == payload(g0[0], GROUP_NBYTES[0])
     assert any(r == [None] for r in results)
-    for k, data in (await _snapshot(tier)).items():
+    for k, data in (await visible_payloads(tier)).items():
         assert data == payload(k, GROUP_NBYTES[k.group_id]), k
     await tier.close()
 
@@ -704,7 +688,7 @@ async def test_random_interleavings_never_give_wrong_bytes_across_close_and_cras
             tier = NVMeTier(**kw)
             await tier.open()
             io = faults[-1]
-            found = await _snapshot(tier)
+            found = await visible_payloads(tier)
             if exact is not None:
                 assert found == exact, session
             for k, data in found.items():
@@ -791,12 +775,12 @@ async def test_random_interleavings_never_give_wrong_bytes_across_close_and_cras
                 await _crash(tier)
                 exact, crashed = None, visible
                 continue
-            expect = await _snapshot(tier)
+            expect = await visible_payloads(tier)
             assert expect == visible
             await tier.close()
             small = NVMeTier(**{**kw, "capacity_bytes": rng.randint(3, 12) * ROW[0]})
             await small.open()
-            exact, crashed = await _snapshot(small), {}
+            exact, crashed = await visible_payloads(small), {}
             assert exact.items() <= expect.items(), session
             await small.close()
         assert evictions > 0
@@ -827,7 +811,7 @@ async def _discard_workload(tier: NVMeTier, io: CountingRowIO, buf: Slots) -> Of
     assert tier.stats()["evictions"] == 2
     assert _trailer_writes(io) == 2  # blanked by the writes that evicted them
     await _write(tier, buf, k, salt=1)  # into key 2's row (evicted for it, own group)
-    assert await _read(tier, buf, k) == payload(k, GROUP_NBYTES[0], 1)
+    assert await read_payload(tier, buf, k) == payload(k, GROUP_NBYTES[0], 1)
     tier.discard(k)
     await _write(tier, buf, key(3, 0))  # blanks the discarded row, takes key 0's old row
     await tier.flush()
@@ -843,7 +827,8 @@ async def _child_tier_displace(root: str, buf: Slots) -> dict[str, Any]:
     await tier.flush()
     for i in range(1, 4):  # the capacity is full of group 0
         await _write(tier, buf, key(i, 0))
-    assert await _read(tier, buf, flushed) == payload(flushed, GROUP_NBYTES[0])  # now the MRU
+    got = await read_payload(tier, buf, flushed)  # now the MRU
+    assert got == payload(flushed, GROUP_NBYTES[0])
     for i in range(10, 13):  # each evicts the LRU key of group 0 (not the one just read)
         await _write(tier, buf, key(i, 2))
     await tier.flush()

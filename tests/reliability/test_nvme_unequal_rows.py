@@ -39,7 +39,7 @@ from kvtier.io import NVMeTier, RowIO
 from ..io.conftest import Slots, payload, tier_kwargs
 from ..io.faults import DelegatingRowIO
 from ._faultio import check_found, kill_child, kill_log, rig_factory, snapshot, until_set
-from .test_nvme_eviction_window import _states  # nothing in flight: every row in one state
+from .row_states import check_row_states  # nothing in flight: every row in one state
 
 TRAILER = 4096
 HEADER = 4096
@@ -263,7 +263,7 @@ async def test_sequential_unequal_rows_follow_the_window_rule_and_the_counters_m
     assert model.evictions > 300
     await tier.flush()
     await tier.drain()
-    _states(tier._index)
+    check_row_states(tier._index)
     visible = await _snapshot(tier)
     for k, data in visible.items():
         assert data == _data(k, salt.get(k, 0)), k
@@ -332,7 +332,7 @@ async def test_a_big_row_that_finds_no_room_fails_with_capacity_and_evicts_nothi
     assert st["bytes_used"] == cap - 5 * ROW[SMALL] + ROW[BIG]
     await tier.flush()
     await tier.drain()
-    _states(tier._index)
+    check_row_states(tier._index)
     snap = await _snapshot(tier)
     assert b in snap
     for k, data in snap.items():
@@ -388,7 +388,7 @@ async def test_small_row_traffic_never_starves_the_big_row_group(tmp_path, slots
     big_share = sum(ROW[k.group_id] for k in held if k.group_id == BIG) / st["bytes_used"]
     assert big_share > 0.7 * written, (big_share, written)
     assert big_written[-1] in held
-    _states(tier._index)
+    check_row_states(tier._index)
     await tier.close()
 
 
@@ -467,7 +467,7 @@ async def test_random_concurrent_unequal_writes_with_faults_discards_and_reopen(
                     assert any(_tag(x) in rig.fail for x in keys)  # its own request's fault
                     kinds[got.kind] += 1
         await tier.drain()
-        _states(ix)
+        check_row_states(ix)
         st = tier.stats()
         assert {kind: st[f"failures_{kind}"] - f0[kind] for kind in failed} == kinds
         evicted = st["evictions"] - ev0
@@ -633,7 +633,7 @@ async def test_growth_past_the_budget_ends_back_within_it(tmp_path, slots) -> No
     assert got == [None, None]
     await tier.flush()
     await tier.drain()  # nothing in flight
-    _states(ix)
+    check_row_states(ix)
     free_small_blocks = sum(ROW[SMALL] for r in ix._free[SMALL] if r not in ix._holed)
     assert free_small_blocks >= 20 * ROW[SMALL]  # rows that could have been punched
     on_disk = _blocks(tier.directory)

@@ -33,9 +33,21 @@ from kvtier.io._rowio import probe_direct_io
 
 from ..io.conftest import GROUP_NBYTES, Slots, hashes, key, payload, tier_kwargs
 from ._model import Gpu, chunks, engine_config, load_check, nvme_config, store_ok
-from .gated_io import ROW0, payload_matches, row_writes, until_true
-from .test_failed_sync_reports import LateHolder, LateIO, _failed_durable_store, _nvme_stat, _wait
-from .test_nvme_failed_sync import SyncGateIO, SyncHolder, _nvme, gated_engine
+from .gated_io import (
+    ROW0,
+    LateHolder,
+    LateIO,
+    SyncGateIO,
+    SyncHolder,
+    engine_tier,
+    failed_durable_store,
+    gated_engine,
+    nvme_stat,
+    payload_matches,
+    row_writes,
+    until_true,
+    until_true_blocking,
+)
 
 
 async def _tier(root: pathlib.Path, **over: Any) -> NVMeTier:
@@ -423,7 +435,7 @@ async def test_closed_engine_detaches_the_drop_hook_and_a_reopened_one_reports_n
     async with opened as (gpu, engine, tier, io, [k0, k1]):
         await store_ok(engine, gpu, [k1])
         await engine.flush()  # k1 durable
-        await _failed_durable_store(engine, gpu, io, k0)  # drops k0
+        await failed_durable_store(engine, gpu, io, k0)  # drops k0
         writer = engine._writer
         assert writer is not None
         assert set(writer._failed) == {k0.key}
@@ -435,7 +447,7 @@ async def test_closed_engine_detaches_the_drop_hook_and_a_reopened_one_reports_n
         w2 = e2._writer
         assert w2 is not None
         assert w2._failed == {}
-        assert _nvme(e2).on_sync_drop == w2._sync_dropped
+        assert engine_tier(e2).on_sync_drop == w2._sync_dropped
         assert e2.lookup([k0.key, k1.key]) == [kvtier.Residency.MISS, kvtier.Residency.NVME]
         await e2.flush()  # nothing stale from the first engine
         res = await load_check(e2, gpu, [k1])
@@ -452,7 +464,7 @@ async def test_hard_close_during_a_failing_sync_with_a_row_written_during_it_res
     engine = kvtier.TransferEngine(gpu.layout, cfg)
     await engine.start()
     try:
-        tier = _nvme(engine)
+        tier = engine_tier(engine)
         io = holder.io
         assert isinstance(io, LateIO)
         await store_ok(engine, gpu, [k2])
@@ -505,7 +517,7 @@ def test_background_flush_after_another_flushs_failed_sync_names_the_drop_once(
         assert isinstance(io, SyncGateIO)
         gpu.write(k1)
         assert bg.store([k1]).result(10).stored == (k1.key,)
-        _wait(lambda: _nvme_stat(bg, "rows_written") == 1, "k1's row")
+        until_true_blocking(lambda: nvme_stat(bg, "rows_written") == 1, "k1's row")
         io.fdatasync_error = 1
         with pytest.raises(StorageError) as first:
             bg.flush().result(10)
@@ -518,7 +530,7 @@ def test_background_flush_after_another_flushs_failed_sync_names_the_drop_once(
         res = bg.store([k1], durable=True).result(10)
         assert res.skipped == (k1.key,)
         assert bg.lookup([k1.key]) == [kvtier.Residency.CPU]
-        assert _nvme_stat(bg, "rows_written") == 2
+        assert nvme_stat(bg, "rows_written") == 2
         bg.flush().result(10)
     finally:
         bg.close()
