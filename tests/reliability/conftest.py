@@ -1,7 +1,8 @@
-"""Fixtures shared with the NVMe tier tests: ``slots`` (page-aligned slot buffers)."""
+"""Fixtures: ``slots`` (page-aligned slot buffers), ``tmpfs`` and ``ext4`` (small real mounts)."""
 
 from __future__ import annotations
 
 from ..io.conftest import slots
+from .full_fs import ext4, tmpfs
 
-__all__ = ["slots"]
+__all__ = ["ext4", "slots", "tmpfs"]

@@ -23,18 +23,13 @@ headed "Regression" names a bug the tier once had.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import json
 import os
 import pathlib
 import random
 import shutil
-import subprocess
 import sys
-import threading
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -42,191 +37,41 @@ import pytest
 import kvtier
 from kvtier import OffloadKey
 from kvtier.errors import StorageError
-from kvtier.io import NVMeTier, RowIO
-from kvtier.io._index import RowIndex
+from kvtier.io import NVMeTier
 
-from ..io.conftest import Slots, payload, tier_kwargs
-from ..io.faults import DelegatingRowIO
-from ._faultio import check_found, kill_child, kill_log, rig_factory, snapshot, until_set
+from ..io.conftest import Slots
+from ._faultio import check_found, kill_child, kill_log, rig_factory, until_set
 from ._model import Gpu, chunks_for, engine_config, load_check, nvme_config, store_ok
 from ._model import key as model_key
-from .test_nvme_eviction_window import _states as window11_states
-
-TRAILER = 4096
-HEADER = 4096
-BIG, SMALL, MID = 0, 1, 2
-G = {BIG: 9 * 4096 - 100, SMALL: 100, MID: 4096}  # rows of 40, 8 and 8 KiB
-A, B = 3, 4
-EQ = {A: 4096, B: 4096}  # two groups of 8 KiB rows
-NB = {**G, **EQ}
-ROW = {g: -(-n // 4096) * 4096 + TRAILER for g, n in NB.items()}
-SLOT = max(ROW.values())
-
-
-def _kw(root: pathlib.Path | str, groups: Mapping[int, int] = G, **over: Any) -> dict[str, Any]:
-    layout = {"groups": {str(g): {"layers": [f"l{g}"]} for g in groups}}
-    return tier_kwargs(root, group_nbytes=dict(groups), layout_description=layout, **over)
-
-
-def _key(i: int | str, group_id: int) -> OffloadKey:
-    return OffloadKey(f"disk-full-{i}".encode(), group_id)
-
-
-def _tag(k: OffloadKey) -> bytes:
-    """What a row's trailer holds of its key: the hash, zero padded (no prefix matches)."""
-    return k.block_hash + b"\0"
-
-
-def _data(k: OffloadKey, salt: int = 0) -> bytes:
-    return payload(k, NB[k.group_id], salt)
+from .full_fs import (
+    BIG,
+    EQ,
+    HEADER,
+    MID,
+    NB,
+    ROW,
+    SLOT,
+    SMALL,
+    A,
+    B,
+    FullFsRig,
+    G,
+    error_kinds,
+    fill_fs,
+    free_nbytes,
+    fs_key,
+    fs_snapshot,
+    groups_kwargs,
+    key_data,
+    key_rows,
+    reopened,
+    trailer_tag,
+)
+from .row_states import check_settled_rows
 
 
-def _rows(buf: Slots, keys: Sequence[OffloadKey], salt: Mapping[OffloadKey, int] | None = None,
-          first: int = 0) -> list[tuple[OffloadKey, int, int, memoryview]]:  # fmt: skip
-    salt = salt or {}
-    return [(k, 0, 4, buf.fill(first + i, _data(k, salt.get(k, 0)))) for i, k in enumerate(keys)]
-
-
-class _Rig(DelegatingRowIO):
-    """Real I/O with faults on demand.
-
-    ``full_errno``: every ``allocate`` (segment growth) fails with it.
-    ``fail`` / ``short``: row writes whose trailer names one of these tags fail
-    with EIO (nothing written) / write the rows before it and the first 4 KiB
-    of it, and return that count. ``hold_blank``: the next blanking write (4
-    KiB past a header) waits for ``blank_release``. ``hold_reads``: row reads
-    wait for ``reads_release``; ``read_delay``: row reads sleep that long.
-    """
-
-    def __init__(self, inner: RowIO) -> None:
-        super().__init__(inner)
-        self.full_errno = 0
-        self.fail: set[bytes] = set()
-        self.short: set[bytes] = set()
-        self.hold_blank = False
-        self.blank_held = threading.Event()
-        self.blank_release = threading.Event()
-        self.hold_reads = False
-        self.read_held = threading.Event()
-        self.reads_release = threading.Event()
-        self.read_delay = 0.0
-        self._lock = threading.Lock()
-
-    def allocate(self, handle: Any, nbytes: int) -> None:
-        if self.full_errno:
-            raise OSError(self.full_errno, os.strerror(self.full_errno))
-        self.inner.allocate(handle, nbytes)
-
-    def pwritev(self, handle: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
-        nbytes = sum(memoryview(b).nbytes for b in bufs)
-        if nbytes == TRAILER and file_offset > 0:
-            with self._lock:
-                hold, self.hold_blank = self.hold_blank, False
-            if hold:
-                self.blank_held.set()
-                assert self.blank_release.wait(30)
-            return self.inner.pwritev(handle, bufs, file_offset)
-        before = 0
-        for i, b in enumerate(bufs):
-            mv = memoryview(b)
-            t = bytes(mv[mv.nbytes - TRAILER : mv.nbytes - TRAILER + 160])
-            if any(tag in t for tag in self.fail):
-                raise OSError(errno.EIO, "injected EIO on a row write")
-            if any(tag in t for tag in self.short):
-                n = self.inner.pwritev(handle, bufs[:i], file_offset) if i else 0
-                return n + self.inner.pwritev(handle, [mv[:4096]], file_offset + before)
-            before += mv.nbytes
-        return self.inner.pwritev(handle, bufs, file_offset)
-
-    def preadv(self, handle: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
-        if sum(memoryview(b).nbytes for b in bufs) > TRAILER:  # a row read, not a scan
-            if self.hold_reads:
-                self.read_held.set()
-                assert self.reads_release.wait(30)
-            elif self.read_delay:
-                time.sleep(self.read_delay)
-        return self.inner.preadv(handle, bufs, file_offset)
-
-
-def _rigged(holder: list[_Rig]) -> Any:
-    return rig_factory(_Rig, holder)
-
-
-@pytest.fixture
-def tmpfs(tmp_path: pathlib.Path) -> Iterator[Callable[[int], pathlib.Path]]:
-    """``tmpfs(nbytes)``: a real tmpfs of that size mounted under ``tmp_path`` (root only)."""
-    mounted: list[pathlib.Path] = []
-
-    def mount(nbytes: int) -> pathlib.Path:
-        mnt = tmp_path / f"fs{len(mounted)}"
-        mnt.mkdir()
-        ok = False
-        if os.geteuid() == 0:
-            cmd = ["mount", "-t", "tmpfs", "-o", f"size={nbytes}", "tmpfs", str(mnt)]
-            with contextlib.suppress(OSError, subprocess.SubprocessError):
-                ok = subprocess.run(cmd, capture_output=True, timeout=10).returncode == 0
-        if not ok:
-            pytest.skip("cannot mount a tmpfs here (needs root)")
-        mounted.append(mnt)
-        return mnt
-
-    yield mount
-    for mnt in mounted:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=10)
-
-
-@pytest.fixture
-def ext4(tmp_path: pathlib.Path) -> Iterator[Callable[[int], pathlib.Path]]:
-    """``ext4(nbytes)``: a real ext4 filesystem of that size on a loop device (root only)."""
-    mounted: list[pathlib.Path] = []
-
-    def mount(nbytes: int) -> pathlib.Path:
-        image = tmp_path / f"ext4-{len(mounted)}.img"
-        mnt = tmp_path / f"ext4-{len(mounted)}"
-        mnt.mkdir()
-        with image.open("wb") as f:
-            f.truncate(nbytes)
-        ok = False
-        if os.geteuid() == 0 and shutil.which("mkfs.ext4"):
-            with contextlib.suppress(OSError, subprocess.SubprocessError):
-                made = subprocess.run(
-                    ["mkfs.ext4", "-q", "-F", str(image)], capture_output=True, timeout=30
-                )
-                cmd = ["mount", "-o", "loop", str(image), str(mnt)]
-                ok = made.returncode == 0 and (
-                    subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
-                )
-        if not ok:
-            pytest.skip("cannot mount an ext4 loop image here (needs root and a loop device)")
-        mounted.append(mnt)
-        return mnt
-
-    yield mount
-    for mnt in mounted:
-        if subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30).returncode:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
-
-
-def _fill(mnt: pathlib.Path, name: str = "filler") -> pathlib.Path:
-    """Fill a filesystem to the last page with a file (another tenant); return its path."""
-    path = mnt / name
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        block = b"\xa5" * 4096
-        while True:
-            try:
-                os.write(fd, block)
-            except OSError as exc:
-                if exc.errno != errno.ENOSPC:
-                    raise
-                return path
-    finally:
-        os.close(fd)
-
-
-def _free_nbytes(mnt: pathlib.Path) -> int:
-    st = os.statvfs(mnt)
-    return st.f_bavail * st.f_frsize
+def _rigged(holder: list[FullFsRig]) -> Any:
+    return rig_factory(FullFsRig, holder)
 
 
 def _files(tier: NVMeTier) -> tuple[int, int, int]:
@@ -235,44 +80,14 @@ def _files(tier: NVMeTier) -> tuple[int, int, int]:
     return sum(s.st_size for s in stats), sum(s.st_blocks * 512 for s in stats), len(stats)
 
 
-def _states(index: RowIndex) -> None:
-    """Nothing in flight: every allocated row in exactly one state; bytes_used adds up."""
-    window11_states(index)
-    assert not index._pins
-    assert not index._pending
-
-
-async def _snapshot(tier: NVMeTier) -> dict[OffloadKey, bytes | None]:
-    """Every visible key's payload (None: its read failed)."""
-    return await snapshot(tier, NB, SLOT)
-
-
 async def _fill_until_disk_full(tier: NVMeTier, buf: Slots) -> int:
     """Write keys of group MID one at a time until the first disk-full eviction; how many."""
     n = 0
     while tier.stats()["disk_full_evictions"] == 0:
-        assert await tier.write_rows(_rows(buf, [_key(n, MID)])) == [None]
+        assert await tier.write_rows(key_rows(buf, [fs_key(n, MID)])) == [None]
         n += 1
         assert n < 2000
     return n
-
-
-async def _reopened(
-    root: pathlib.Path, groups: Mapping[int, int] = G, **over: Any
-) -> tuple[dict[OffloadKey, bytes | None], dict[str, Any]]:
-    """Open the namespace (room for every row unless told), read every key, close."""
-    over.setdefault("capacity_bytes", 64 << 20)
-    tier = NVMeTier(**_kw(root, groups, **over))
-    await tier.open()
-    try:
-        st = dict(tier.stats())
-        return await _snapshot(tier), st
-    finally:
-        await tier.close()
-
-
-def _kinds(results: Sequence[BaseException | None]) -> list[str | None]:
-    return [None if r is None else getattr(r, "kind", type(r).__name__) for r in results]
 
 
 # =============================================================== regressions
@@ -291,38 +106,38 @@ async def test_a_punched_free_row_on_a_full_filesystem_fails_no_write_of_its_gro
 ) -> None:
     mnt = tmpfs(1 << 20)
     cap = 16 * ROW[A]  # growth steps of 2 rows: a disk budget of 20 rows
-    tier = NVMeTier(**_kw(mnt / "nvme", EQ, capacity_bytes=cap, grow_ahead=False))
+    tier = NVMeTier(**groups_kwargs(mnt / "nvme", EQ, capacity_bytes=cap, grow_ahead=False))
     await tier.open()
     ix = tier._index
     buf = slots(2, SLOT)
 
     async def write(k: OffloadKey) -> list[BaseException | None]:
-        return await tier.write_rows(_rows(buf, [k]))
+        return await tier.write_rows(key_rows(buf, [k]))
 
     async def read(k: OffloadKey) -> None:
         assert await tier.read_rows([(k, buf[1])]) == [(0, 4)]
-        assert bytes(buf[1][: NB[k.group_id]]) == _data(k)
+        assert bytes(buf[1][: NB[k.group_id]]) == key_data(k)
 
-    hot = [_key(i, A) for i in range(3)]  # group A keys the workload keeps reading
+    hot = [fs_key(i, A) for i in range(3)]  # group A keys the workload keeps reading
     for i in range(16):
-        assert await write(_key(i, A)) == [None]
+        assert await write(fs_key(i, A)) == [None]
     for i in range(24):  # the workload moves to group B: A's free rows are punched
         for k in hot:
             await read(k)
-        assert await write(_key(100 + i, B)) == [None]
+        assert await write(fs_key(100 + i, B)) == [None]
     assert ix.held_nbytes <= ix.disk_budget_nbytes
     assert any(r.group_id == A for r in ix._holed)
-    _fill(mnt)  # another tenant takes the space the punches gave back
+    fill_fs(mnt)  # another tenant takes the space the punches gave back
     for j in range(4):  # A's free rows that kept their blocks: fine
-        assert await write(_key(300 + j, A)) == [None]
+        assert await write(fs_key(300 + j, A)) == [None]
     tier.discard(ix.lru_keys()[0])  # a key leaves: the next write needs no eviction
     assert ix._free[A][0] in ix._holed  # the next row group A gets is a hole
     evictable = [k for k in ix.lru_keys() if k.group_id == A]
     assert len(evictable) >= 6  # one for each write below, at most
-    got = [(await write(_key(400 + j, A)))[0] for j in range(6)]
+    got = [(await write(fs_key(400 + j, A)))[0] for j in range(6)]
     failures = tier.stats()["failures_enospc"]
     await tier.close()
-    assert failures == 0, _kinds(got)  # fails: 6 (enospc), one per write
+    assert failures == 0, error_kinds(got)  # fails: 6 (enospc), one per write
     assert got == [None] * 6
 
 
@@ -336,12 +151,12 @@ async def test_growth_falls_back_to_fewer_rows_before_disk_full_evictions_start(
     tmpfs, slots
 ) -> None:
     mnt = tmpfs(7 << 20)
-    kw = _kw(mnt / "nvme", {MID: G[MID]}, capacity_bytes=64 << 20, segment_nbytes=2 << 20)
+    kw = groups_kwargs(mnt / "nvme", {MID: G[MID]}, capacity_bytes=64 << 20, segment_nbytes=2 << 20)
     tier = NVMeTier(**kw)
     await tier.open()
     buf = slots(1, SLOT)
     await _fill_until_disk_full(tier, buf)
-    free = _free_nbytes(mnt)
+    free = free_nbytes(mnt)
     await tier.close()
     assert free < 4 * ROW[MID], f"evicting with {free} bytes ({free // ROW[MID]} rows) free"
 
@@ -355,8 +170,8 @@ async def test_growth_falls_back_to_fewer_rows_before_disk_full_evictions_start(
 async def test_a_full_tier_on_a_full_filesystem_evicts_one_key_of_its_own_group_for_one_row(
     tmp_path, slots
 ) -> None:
-    holder: list[_Rig] = []
-    kw = _kw(
+    holder: list[FullFsRig] = []
+    kw = groups_kwargs(
         tmp_path / "nvme",
         EQ,
         capacity_bytes=8 * ROW[A],
@@ -367,18 +182,18 @@ async def test_a_full_tier_on_a_full_filesystem_evicts_one_key_of_its_own_group_
     tier = NVMeTier(**kw)
     await tier.open()
     buf = slots(1, SLOT)
-    olds = [_key(i, B) for i in range(4)] + [_key(10 + i, A) for i in range(4)]
+    olds = [fs_key(i, B) for i in range(4)] + [fs_key(10 + i, A) for i in range(4)]
     for k in olds:
-        assert await tier.write_rows(_rows(buf, [k])) == [None]
+        assert await tier.write_rows(key_rows(buf, [k])) == [None]
     assert tier.stats()["bytes_used"] == 8 * ROW[A]  # at capacity, no free row anywhere
     holder[0].full_errno = errno.ENOSPC
-    new = _key(99, A)
-    assert await tier.write_rows(_rows(buf, [new])) == [None]
+    new = fs_key(99, A)
+    assert await tier.write_rows(key_rows(buf, [new])) == [None]
     gone = set(olds) - set(tier.keys())
     st = tier.stats()
     await tier.close()
     assert st["disk_full_evictions"] == 1
-    assert gone == {_key(10, A)}, f"evicted {sorted(k.block_hash for k in gone)}"
+    assert gone == {fs_key(10, A)}, f"evicted {sorted(k.block_hash for k in gone)}"
     assert st["evictions"] == 1
 
 
@@ -392,18 +207,18 @@ async def test_a_full_tier_on_a_full_filesystem_evicts_one_key_of_its_own_group_
 async def test_a_failed_growth_on_ext4_keeps_no_blocks_the_tier_never_uses(ext4, slots) -> None:
     mnt = ext4(8 << 20)
     root = mnt / "nvme"
-    kw = _kw(root, {MID: G[MID]}, capacity_bytes=8 << 20, segment_nbytes=64 << 20)
+    kw = groups_kwargs(root, {MID: G[MID]}, capacity_bytes=8 << 20, segment_nbytes=64 << 20)
     tier = NVMeTier(**kw)  # one big segment, grown in 2 MiB steps
     await tier.open()
     buf = slots(1, SLOT)
     n = await _fill_until_disk_full(tier, buf)
     for i in range(20):
-        assert await tier.write_rows(_rows(buf, [_key(n + i, MID)])) == [None]
+        assert await tier.write_rows(key_rows(buf, [fs_key(n + i, MID)])) == [None]
     await tier.drain()
     size, _, files = _files(tier)
     allocated = int(tier.stats()["bytes_allocated"])
     await tier.close()
-    _, st = await _reopened(root, {MID: G[MID]}, capacity_bytes=8 << 20, segment_nbytes=64 << 20)
+    _, st = await reopened(root, {MID: G[MID]}, capacity_bytes=8 << 20, segment_nbytes=64 << 20)
     assert (size - HEADER * files - allocated) // ROW[MID] == 0, "rows on disk the tier never used"
     assert st["invalid_rows_at_open"] == 0
 
@@ -417,14 +232,14 @@ async def test_a_failed_growth_on_ext4_keeps_no_blocks_the_tier_never_uses(ext4,
 async def test_a_full_filesystem_reopens_with_direct_io(ext4, slots) -> None:
     mnt = ext4(8 << 20)
     root = mnt / "nvme"
-    kw = _kw(root, {MID: G[MID]}, capacity_bytes=64 << 20, segment_nbytes=1 << 20)
+    kw = groups_kwargs(root, {MID: G[MID]}, capacity_bytes=64 << 20, segment_nbytes=1 << 20)
     tier = NVMeTier(**{**kw, "direct_io": "on"})
     await tier.open()
     assert tier.stats()["direct_io"] is True  # O_DIRECT works on this ext4
     buf = slots(1, SLOT)
     n = await _fill_until_disk_full(tier, buf)
-    _fill(mnt)  # another tenant takes what the last growth step left
-    assert await tier.write_rows(_rows(buf, [_key(n, MID)])) == [None]  # still stores
+    fill_fs(mnt)  # another tenant takes what the last growth step left
+    assert await tier.write_rows(key_rows(buf, [fs_key(n, MID)])) == [None]  # still stores
     await tier.close()
     again = NVMeTier(**{**kw, "direct_io": "on"})
     await again.open()  # raises ConfigError
@@ -438,10 +253,12 @@ async def test_a_full_filesystem_reopens_with_direct_io(ext4, slots) -> None:
 # ====================================================================== a failed write, taken row
 
 
-async def _four_keys_and_full(tmp_path: pathlib.Path, buf: Slots) -> tuple[NVMeTier, _Rig, list]:
+async def _four_keys_and_full(
+    tmp_path: pathlib.Path, buf: Slots
+) -> tuple[NVMeTier, FullFsRig, list]:
     """A tier whose group A holds exactly 4 rows (4 keys, flushed); growth fails with ENOSPC."""
-    holder: list[_Rig] = []
-    kw = _kw(
+    holder: list[FullFsRig] = []
+    kw = groups_kwargs(
         tmp_path / "nvme",
         EQ,
         segment_nbytes=HEADER + 4 * ROW[A],
@@ -450,9 +267,9 @@ async def _four_keys_and_full(tmp_path: pathlib.Path, buf: Slots) -> tuple[NVMeT
     )
     tier = NVMeTier(**kw)
     await tier.open()
-    olds = [_key(i, A) for i in range(4)]
+    olds = [fs_key(i, A) for i in range(4)]
     for k in olds:
-        assert await tier.write_rows(_rows(buf, [k])) == [None]
+        assert await tier.write_rows(key_rows(buf, [k])) == [None]
     await tier.flush()
     holder[0].full_errno = errno.ENOSPC
     return tier, holder[0], olds
@@ -470,9 +287,9 @@ async def test_failed_write_into_a_taken_row_brings_back_neither_key(
     buf = slots(2, SLOT)
     tier, rig, olds = await _four_keys_and_full(tmp_path, buf)
     root = tier.directory.parent
-    x = _key("x", A)
-    (rig.fail if action == "eio" else rig.short).add(_tag(x))
-    (res,) = await tier.write_rows(_rows(buf, [x]))
+    x = fs_key("x", A)
+    (rig.fail if action == "eio" else rig.short).add(trailer_tag(x))
+    (res,) = await tier.write_rows(key_rows(buf, [x]))
     assert isinstance(res, StorageError)
     assert res.kind == ("eio" if action == "eio" else "short_write")
     assert not tier.contains(x)
@@ -482,17 +299,17 @@ async def test_failed_write_into_a_taken_row_brings_back_neither_key(
     assert (st["disk_full_evictions"], st["evictions"], st["failures_enospc"]) == (1, 1, 0)
     crash = tmp_path / "crash"
     shutil.copytree(root, crash)
-    found, st2 = await _reopened(crash, EQ)
+    found, st2 = await reopened(crash, EQ)
     assert st2["invalid_rows_at_open"] == 0  # the torn row was blanked before the return
-    assert found == {k: _data(k) for k in olds[1:]}
-    y = _key("y", A)
-    assert await tier.write_rows(_rows(buf, [y])) == [None]
+    assert found == {k: key_data(k) for k in olds[1:]}
+    y = fs_key("y", A)
+    assert await tier.write_rows(key_rows(buf, [y])) == [None]
     assert tier.stats()["disk_full_evictions"] == 1  # K0's row came back as a free row
     assert set(tier.keys()) == {*olds[1:], y}
-    _states(tier._index)
+    check_settled_rows(tier._index)
     await tier.close()
-    found, st3 = await _reopened(root, EQ)
-    assert found == {k: _data(k) for k in [*olds[1:], y]}
+    found, st3 = await reopened(root, EQ)
+    assert found == {k: key_data(k) for k in [*olds[1:], y]}
     assert st3["invalid_rows_at_open"] == 0
 
 
@@ -503,10 +320,10 @@ async def test_failed_taken_row_is_blank_before_the_call_returns(tmp_path, slots
     buf = slots(2, SLOT)
     tier, rig, olds = await _four_keys_and_full(tmp_path, buf)
     root = tier.directory.parent
-    x = _key("x", A)
-    rig.fail.add(_tag(x))
+    x = fs_key("x", A)
+    rig.fail.add(trailer_tag(x))
     rig.hold_blank = True
-    call = asyncio.ensure_future(tier.write_rows(_rows(buf, [x])))
+    call = asyncio.ensure_future(tier.write_rows(key_rows(buf, [x])))
     crash = tmp_path / "crash"
     try:
         await until_set(rig.blank_held)
@@ -518,14 +335,14 @@ async def test_failed_taken_row_is_blank_before_the_call_returns(tmp_path, slots
     (res,) = await call
     assert isinstance(res, StorageError)
     assert res.kind == "eio"
-    found, _ = await _reopened(crash, EQ)
+    found, _ = await reopened(crash, EQ)
     assert x not in found
     assert set(found) >= set(olds[1:])
     for k, data in found.items():
-        assert data == _data(k), k
+        assert data == key_data(k), k
     await tier.close()
-    found, st = await _reopened(root, EQ)
-    assert found == {k: _data(k) for k in olds[1:]}
+    found, st = await reopened(root, EQ)
+    assert found == {k: key_data(k) for k in olds[1:]}
     assert st["invalid_rows_at_open"] == 0
 
 
@@ -545,14 +362,14 @@ async def test_read_in_flight_pins_its_row_and_same_call_keys_are_never_taken(
     read = asyncio.ensure_future(tier.read_rows([(olds[0], buf[7])]))
     try:
         await until_set(rig.read_held)
-        x = _key("x", A)
-        assert await tier.write_rows(_rows(buf, [x])) == [None]
+        x = fs_key("x", A)
+        assert await tier.write_rows(key_rows(buf, [x])) == [None]
         assert tier.contains(olds[0])
         assert not tier.contains(olds[1])
     finally:
         rig.reads_release.set()
     assert await read == [(0, 4)]
-    assert bytes(buf[7][: NB[A]]) == _data(olds[0])
+    assert bytes(buf[7][: NB[A]]) == key_data(olds[0])
     # every key of A pinned (read_rows pins them all before its requests): nothing to take
     visible = [k for k in tier._index.lru_keys() if k.group_id == A]
     assert len(visible) == 4
@@ -562,7 +379,7 @@ async def test_read_in_flight_pins_its_row_and_same_call_keys_are_never_taken(
     try:
         await until_set(rig.read_held)
         assert all(tier._index._lru[k].ref in tier._index._pins for k in visible)
-        (res,) = await tier.write_rows(_rows(buf, [_key("y", A)]))
+        (res,) = await tier.write_rows(key_rows(buf, [fs_key("y", A)]))
         assert isinstance(res, StorageError)
         assert res.kind == "enospc"
         assert [k for k in tier._index.lru_keys() if k.group_id == A] == visible
@@ -571,18 +388,18 @@ async def test_read_in_flight_pins_its_row_and_same_call_keys_are_never_taken(
         rig.reads_release.set()
     assert await reads == [(0, 4)] * 4
     for i, k in enumerate(visible):
-        assert bytes(buf[4 + i][: NB[A]]) == _data(k)
+        assert bytes(buf[4 + i][: NB[A]]) == key_data(k)
     rig.hold_reads = False
     # one call of five new keys: four take the old rows, the fifth finds none
-    fresh = [_key(f"f{i}", A) for i in range(5)]
-    got2 = await tier.write_rows(_rows(buf, fresh))
+    fresh = [fs_key(f"f{i}", A) for i in range(5)]
+    got2 = await tier.write_rows(key_rows(buf, fresh))
     assert got2[:4] == [None] * 4
-    assert _kinds(got2[4:]) == ["enospc"]
+    assert error_kinds(got2[4:]) == ["enospc"]
     assert set(tier._index.lru_keys()) == set(fresh[:4])
     await tier.drain()
-    _states(tier._index)
-    snap = await _snapshot(tier)
-    assert snap == {k: _data(k) for k in fresh[:4]}
+    check_settled_rows(tier._index)
+    snap = await fs_snapshot(tier)
+    assert snap == {k: key_data(k) for k in fresh[:4]}
     await tier.close()
 
 
@@ -591,9 +408,9 @@ async def test_edquot_counts_as_a_full_filesystem(tmp_path, slots) -> None:
     buf = slots(2, SLOT)
     tier, rig, _ = await _four_keys_and_full(tmp_path, buf)
     rig.full_errno = errno.EDQUOT
-    news = [_key(f"q{i}", A) for i in range(6)]
+    news = [fs_key(f"q{i}", A) for i in range(6)]
     for k in news:
-        assert await tier.write_rows(_rows(buf, [k])) == [None]
+        assert await tier.write_rows(key_rows(buf, [k])) == [None]
     st = tier.stats()
     assert (st["disk_full_evictions"], st["failures_enospc"]) == (6, 0)
     assert set(tier.keys()) == set(news[2:])
@@ -611,7 +428,7 @@ async def test_growth_resumes_when_space_comes_back(tmpfs, slots, ahead) -> None
     finds exactly the visible keys with their bytes."""
     mnt = tmpfs(2 << 20)
     root = mnt / "nvme"
-    kw = _kw(root, capacity_bytes=64 << 20, segment_nbytes=128 << 10, grow_ahead=ahead)
+    kw = groups_kwargs(root, capacity_bytes=64 << 20, segment_nbytes=128 << 10, grow_ahead=ahead)
     tier = NVMeTier(**kw)
     await tier.open()
     buf = slots(8, SLOT)
@@ -620,16 +437,16 @@ async def test_growth_resumes_when_space_comes_back(tmpfs, slots, ahead) -> None
 
     async def write(count: int) -> None:
         nonlocal n
-        keys = [_key(n + i, (SMALL, MID)[(n + i) % 2]) for i in range(count)]
+        keys = [fs_key(n + i, (SMALL, MID)[(n + i) % 2]) for i in range(count)]
         n += count
-        assert await tier.write_rows(_rows(buf, keys)) == [None] * count
+        assert await tier.write_rows(key_rows(buf, keys)) == [None] * count
         for k in keys:
             order[k.group_id].append(k)
 
     for _ in range(5):
         await write(4)
     await tier.drain()
-    filler = _fill(mnt)
+    filler = fill_fs(mnt)
     assert filler.stat().st_size > (1 << 20)  # the room that comes back
     for _ in range(20):
         await write(4)
@@ -651,11 +468,11 @@ async def test_growth_resumes_when_space_comes_back(tmpfs, slots, ahead) -> None
     assert st["evictions"] == full
     assert set(tier.keys()) == before | {k for ks in order.values() for k in ks[-30:]}
     assert not tier._ahead_paused
-    _states(tier._index)
-    snap = await _snapshot(tier)
-    assert all(data == _data(k) for k, data in snap.items())
+    check_settled_rows(tier._index)
+    snap = await fs_snapshot(tier)
+    assert all(data == key_data(k) for k, data in snap.items())
     await tier.close()
-    found, st2 = await _reopened(root)
+    found, st2 = await reopened(root)
     assert found == snap
     assert st2["invalid_rows_at_open"] == 0
 
@@ -680,10 +497,10 @@ async def test_concurrent_calls_reads_discards_and_flushes_on_a_full_tmpfs(tmpfs
     """
     mnt = tmpfs(1 << 20)
     root = mnt / "nvme"
-    holder: list[_Rig] = []
+    holder: list[FullFsRig] = []
 
     def make() -> NVMeTier:
-        kw = _kw(
+        kw = groups_kwargs(
             root,
             capacity_bytes=64 << 20,
             segment_nbytes=128 << 10,
@@ -713,10 +530,10 @@ async def test_concurrent_calls_reads_discards_and_flushes_on_a_full_tmpfs(tmpfs
             keys = []
             for _ in range(rng.randint(1, 4)):
                 g = groups[rnd % 3] if mode < 0.4 else rng.choice(groups)
-                keys.append(_key(n, g))
+                keys.append(fs_key(n, g))
                 n += 1
             round_keys += keys
-            calls.append((keys, tier.write_rows(_rows(buf, keys, first=slot))))
+            calls.append((keys, tier.write_rows(key_rows(buf, keys, first=slot))))
             slot += len(keys)
         oldest = []
         for g in groups:
@@ -746,9 +563,9 @@ async def test_concurrent_calls_reads_discards_and_flushes_on_a_full_tmpfs(tmpfs
                 assert getattr(r, "kind", "") == "missing", r  # evicted before the read pinned
             else:
                 assert r == (0, 4)
-                assert bytes(buf[30 + oldest.index(k)][: NB[k.group_id]]) == _data(k), k
+                assert bytes(buf[30 + oldest.index(k)][: NB[k.group_id]]) == key_data(k), k
         await tier.drain()
-        _states(ix)
+        check_settled_rows(ix)
         st = tier.stats()
         assert st["failures_trailer"] == st["failures_checksum"] == 0
         evicted = st["evictions"] - ev0
@@ -759,21 +576,21 @@ async def test_concurrent_calls_reads_discards_and_flushes_on_a_full_tmpfs(tmpfs
         size, _, files = _files(tier)
         assert size == st["bytes_allocated"] + HEADER * files
         # a lone call keeps every key (it is never given a row of its own keys)
-        lone = [_key(n + i, g) for i, g in enumerate((SMALL, MID, SMALL, BIG))]
+        lone = [fs_key(n + i, g) for i, g in enumerate((SMALL, MID, SMALL, BIG))]
         n += len(lone)
-        assert await tier.write_rows(_rows(buf, lone)) == [None] * 4
+        assert await tier.write_rows(key_rows(buf, lone)) == [None] * 4
         assert all(tier.contains(k) for k in lone)
-        for k, data in (await _snapshot(tier)).items():
-            assert data == _data(k), k
+        for k, data in (await fs_snapshot(tier)).items():
+            assert data == key_data(k), k
         if rnd % 6 == 5:
             await tier.flush()
-            keep = await _snapshot(tier)
+            keep = await fs_snapshot(tier)
             full_evictions += tier.stats()["disk_full_evictions"]
             await tier.close()
             tier = make()
             await tier.open()
             reopens += 1
-            assert await _snapshot(tier) == keep
+            assert await fs_snapshot(tier) == keep
             assert tier.stats()["invalid_rows_at_open"] == 0
     full_evictions += tier.stats()["disk_full_evictions"]
     assert full_evictions > 60
@@ -794,7 +611,7 @@ async def test_capacity_window_and_a_full_filesystem_together(tmpfs, slots) -> N
     mnt = tmpfs(2 << 20)
     root = mnt / "nvme"
     cap = (2 << 20) - 80 * 1024
-    kw = _kw(root, capacity_bytes=cap, segment_nbytes=128 << 10, grow_ahead=False)
+    kw = groups_kwargs(root, capacity_bytes=cap, segment_nbytes=128 << 10, grow_ahead=False)
     tier = NVMeTier(**kw)
     await tier.open()
     buf = slots(6, SLOT)
@@ -807,33 +624,33 @@ async def test_capacity_window_and_a_full_filesystem_together(tmpfs, slots) -> N
             g = SMALL if phase == 0 else BIG if phase == 1 and rng.random() < 0.6 else SMALL
             if phase == 2:
                 g = rng.choice((BIG, SMALL, SMALL))
-            keys.append(_key(n, g))
+            keys.append(fs_key(n, g))
             n += 1
-        assert await tier.write_rows(_rows(buf, keys)) == [None] * len(keys)
+        assert await tier.write_rows(key_rows(buf, keys)) == [None] * len(keys)
         if step % 5 == 0:
             k = rng.choice(tier._index.lru_keys())
             (got,) = await tier.read_rows([(k, buf[5])])
             assert got == (0, 4)
-            assert bytes(buf[5][: NB[k.group_id]]) == _data(k)
+            assert bytes(buf[5][: NB[k.group_id]]) == key_data(k)
         ix = tier._index
         assert ix.bytes_used <= cap
     await tier.drain()
     st = tier.stats()
-    _states(tier._index)
+    check_settled_rows(tier._index)
     ix = tier._index
     assert ix.held_nbytes <= ix.disk_budget_nbytes
     capacity_evictions = st["evictions"] - st["disk_full_evictions"]
     assert st["disk_full_evictions"] > 20, st
     assert capacity_evictions > 20, st
     assert st["window_evictions"] > 0, st
-    snap = await _snapshot(tier)
-    assert all(data == _data(k) for k, data in snap.items())
+    snap = await fs_snapshot(tier)
+    assert all(data == key_data(k) for k, data in snap.items())
     await tier.flush()
     crash = mnt.parent / "crash"  # a crash image (no close): the page cache as it is
     shutil.copytree(root, crash)
     await tier.close()
     for where in (crash, root):
-        found, st2 = await _reopened(where, capacity_bytes=cap)
+        found, st2 = await reopened(where, capacity_bytes=cap)
         assert found == snap
         assert st2["evictions"] == 0
         assert st2["invalid_rows_at_open"] == 0
@@ -848,34 +665,34 @@ async def test_punching_past_the_budget_then_a_full_filesystem(tmpfs, slots) -> 
     mnt = tmpfs(1 << 20)
     root = mnt / "nvme"
     cap = 16 * ROW[A]
-    tier = NVMeTier(**_kw(root, EQ, capacity_bytes=cap, grow_ahead=False))
+    tier = NVMeTier(**groups_kwargs(root, EQ, capacity_bytes=cap, grow_ahead=False))
     await tier.open()
     ix = tier._index
     buf = slots(2, SLOT)
-    hot = [_key(i, A) for i in range(3)]
+    hot = [fs_key(i, A) for i in range(3)]
     for i in range(16):
-        assert await tier.write_rows(_rows(buf, [_key(i, A)])) == [None]
+        assert await tier.write_rows(key_rows(buf, [fs_key(i, A)])) == [None]
     for i in range(24):
         for k in hot:
             assert await tier.read_rows([(k, buf[1])]) == [(0, 4)]
-        assert await tier.write_rows(_rows(buf, [_key(100 + i, B)])) == [None]
+        assert await tier.write_rows(key_rows(buf, [fs_key(100 + i, B)])) == [None]
     _, blocks, files = _files(tier)
     assert ix.held_nbytes <= ix.disk_budget_nbytes
     assert blocks <= ix.disk_budget_nbytes + HEADER * files
-    _fill(mnt)
+    fill_fs(mnt)
     for j in range(10):  # each write evicts a B key (tier at capacity)
-        assert await tier.write_rows(_rows(buf, [_key(300 + j, A)])) == [None]
+        assert await tier.write_rows(key_rows(buf, [fs_key(300 + j, A)])) == [None]
     await tier.drain()
-    _states(ix)
+    check_settled_rows(ix)
     st = tier.stats()
     assert st["failures_enospc"] == 0
     _, blocks, files = _files(tier)
     assert ix.held_nbytes <= ix.disk_budget_nbytes
     assert blocks <= ix.disk_budget_nbytes + HEADER * files
-    snap = await _snapshot(tier)
-    assert all(data == _data(k) for k, data in snap.items())
+    snap = await fs_snapshot(tier)
+    assert all(data == key_data(k) for k, data in snap.items())
     await tier.close()
-    found, _ = await _reopened(root, EQ, capacity_bytes=cap)
+    found, _ = await reopened(root, EQ, capacity_bytes=cap)
     assert found == snap
 
 
@@ -891,9 +708,9 @@ async def _crash_child(root: str, log_path: str, mode: str) -> None:
     on 4% of the rows), reads of each group's oldest keys in flight (checked), discards;
     flush every round; log each key before its write, each discard, and the visible keys
     with their salts after each flush."""
-    holder: list[_Rig] = []
+    holder: list[FullFsRig] = []
     tier = NVMeTier(
-        **_kw(
+        **groups_kwargs(
             root,
             capacity_bytes=CRASH_CAP[mode],
             segment_nbytes=128 << 10,
@@ -926,7 +743,7 @@ async def _crash_child(root: str, log_path: str, mode: str) -> None:
                         n += 1
                         salt[k] = 0
                     if rng.random() < 0.04:
-                        rig.fail.add(_tag(k))
+                        rig.fail.add(trailer_tag(k))
                     taken.add(k)
                     keys.append(k)
                     log.write(json.dumps({"w": [k.block_hash.decode(), k.group_id, salt[k]]}))
@@ -937,7 +754,7 @@ async def _crash_child(root: str, log_path: str, mode: str) -> None:
             oldest = [k for g in (0, 1, 2) for k in [x for x in lru if x.group_id == g][:1]]
             oldest = [k for k in oldest if k not in taken and k in good]
             writes = [
-                tier.write_rows(_rows(buf, ks, salt, first=5 * i)) for i, ks in enumerate(calls)
+                tier.write_rows(key_rows(buf, ks, salt, first=5 * i)) for i, ks in enumerate(calls)
             ]
             reads = [tier.read_rows([(k, buf[20 + i])]) for i, k in enumerate(oldest)]
             if lru and rng.random() < 0.2:
@@ -953,14 +770,14 @@ async def _crash_child(root: str, log_path: str, mode: str) -> None:
                         good[k] = salt[k]
                     else:
                         # injected (into its run), or a group with no key left to take
-                        injected = any(_tag(x) in rig.fail for x in ks)
+                        injected = any(trailer_tag(x) in rig.fail for x in ks)
                         assert (r.kind == "eio" and injected) or r.kind == "enospc", r
             for i, (k, got) in enumerate(zip(oldest, outs[len(writes) :], strict=True)):
                 (r,) = got
                 if isinstance(r, BaseException):
                     assert getattr(r, "kind", "") == "missing", r
                 else:
-                    assert bytes(buf[20 + i][: NB[k.group_id]]) == _data(k, good[k]), k
+                    assert bytes(buf[20 + i][: NB[k.group_id]]) == key_data(k, good[k]), k
             await tier.flush()
             vis = [[k.block_hash.decode(), k.group_id, good.get(k, -1)] for k in list(tier.keys())]
             log.write(json.dumps({"flushed": vis}) + "\n")
@@ -1002,10 +819,10 @@ def test_sigkill_while_writing_into_a_full_filesystem(tmpfs, tmp_path, mode) -> 
             else:
                 h, g = e["d"]
                 after.add((h, g))  # a discarded key may come back (its row not yet blank)
-        found, st = asyncio.run(_reopened(root, capacity_bytes=CRASH_CAP[mode]))
+        found, st = asyncio.run(reopened(root, capacity_bytes=CRASH_CAP[mode]))
         assert st["evictions"] == 0, "valid rows on disk exceed capacity_bytes"
-        found, st = asyncio.run(_reopened(root))
-        checked += check_found(found, allowed, _data)
+        found, st = asyncio.run(reopened(root))
+        checked += check_found(found, allowed, key_data)
         flushed = {(h, g) for h, g, _ in entries[last]["flushed"]}
         names = {(k.block_hash.decode(), k.group_id) for k in found}
         # a row of 40 KiB frees room for five of 8 KiB; at most two keys per row (see the

@@ -19,7 +19,7 @@ write that fails with 'enospc' or 'short_write' punches its row
 Real seams only: small real tmpfs and ext4 loop mounts (root only; skipped
 elsewhere), another tenant that fills the filesystem from the test (or, at the
 moment a growth allocates, from a ``row_io_wrapper`` RowIO wrapper), the
-``_GrowthRig`` RowIO wrapper of test_nvme_late_reservation.py with wrapped segment
+``GrowthRig`` RowIO wrapper of test_nvme_late_reservation.py with wrapped segment
 handles whose ``fd`` fails or waits when ``_files._punch_hole`` asks for it
 (the only seam of a punch: it calls ``fallocate`` through libc, not through
 the RowIO), held row reads (pins), and a real child process killed with SIGKILL
@@ -38,128 +38,57 @@ import os
 import random
 import shutil
 import sys
-import threading
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
 from kvtier import OffloadKey
-from kvtier.io import NVMeTier, RowIO
+from kvtier.io import NVMeTier
 from kvtier.io import _files as files
 
 from ..io.conftest import Slots
-from . import test_nvme_disk_full as disk_full
 from ._faultio import kill_child, rig_factory
-from .test_nvme_disk_full import (
+from .full_fs import (
     BIG,
+    HEADER,
     MID,
     NB,
+    ROW,
     SLOT,
     SMALL,
     A,
     B,
-    _data,
-    _fill,
-    _key,
-    _kw,
-    _reopened,
-    _rows,
-    _snapshot,
-    _states,
+    error_kinds,
+    fill_fs,
+    fs_key,
+    fs_snapshot,
+    groups_kwargs,
+    key_data,
+    key_rows,
+    reopened,
+    trailer_tag,
 )
-from .test_nvme_late_reservation import HEADER, _GrowthRig, _Handle, _open
-
-tmpfs = disk_full.tmpfs  # a real tmpfs / ext4 loop mount of a given size (root only)
-ext4 = disk_full.ext4
+from .growth_rig import FS, PunchRig, fill_with_a, open_tier, reopened_copy, row_blocks
+from .row_states import check_settled_rows
 
 C = MID
-FS = (1 << 20) + 4096  # one growth step of an 8 KiB group (127 rows) and its header
 
 
-def _kinds(results: Sequence[BaseException | None]) -> list[str | None]:
-    return disk_full._kinds(results)
-
-
-class _PunchHandle(_Handle):
-    """A segment handle whose ``fd``, asked for by ``_files._punch_hole``, may fail or wait."""
-
-    __slots__ = ()
-
-    @property
-    def fd(self) -> int:
-        rig = self.rig
-        if isinstance(rig, _PunchRig) and sys._getframe(1).f_code.co_name == "_punch_hole":
-            rig.punches += 1
-            if rig.hold_punch:
-                rig.hold_punch = False
-                rig.punch_held.set()
-                assert rig.punch_release.wait(30)
-            if rig.punch_faults:
-                rig.punch_faults -= 1
-                raise OSError(rig.punch_errno, "injected failure of fallocate(PUNCH_HOLE)")
-        return self.real
-
-
-class _PunchRig(_GrowthRig):
-    """The ``_GrowthRig`` rig with wrapped handles, plus: ``punch_faults`` punches fail with
-    ``punch_errno``; ``hold_punch``: the next punch waits for ``punch_release``;
-    ``tenant``: a folder that another tenant fills to the last page right before every
-    growth allocates (it takes what a punch gave back)."""
-
-    def __init__(self, inner: RowIO) -> None:
-        super().__init__(inner, wrap=True)
-        self.punches = 0
-        self.punch_faults = 0
-        self.punch_errno = errno.EIO
-        self.hold_punch = False
-        self.punch_held = threading.Event()
-        self.punch_release = threading.Event()
-        self.tenant: Any = None
-        self.tenant_files: list[Any] = []
-
-    def open(self, path: str | os.PathLike[str], create: bool) -> Any:
-        return _PunchHandle(self.inner.open(path, create), self)
-
-    def allocate(self, handle: Any, nbytes: int) -> None:
-        if self.tenant is not None:
-            self.tenant_files.append(_fill(self.tenant, f"tenant{len(self.tenant_files)}"))
-        super().allocate(handle, nbytes)
-
-
-def _punch_rig(holder: list[_PunchRig]) -> Any:
-    return rig_factory(_PunchRig, holder)
-
-
-async def _fill_with_a(tier: NVMeTier, buf: Slots) -> list[OffloadKey]:
-    """Write keys of group A one per call until the filesystem is full of them."""
-    keys = []
-    while tier.stats()["disk_full_evictions"] == 0:
-        k = _key(f"a{len(keys)}", A)
-        assert await tier.write_rows(_rows(buf, [k])) == [None]
-        keys.append(k)
-        assert len(keys) < 2000
-    held = set(tier.keys())
-    return [k for k in keys if k in held]
+def _punch_rig(holder: list[PunchRig]) -> Any:
+    return rig_factory(PunchRig, holder)
 
 
 async def _full_of_a(
     root: Any, groups: dict[int, int], buf: Slots
-) -> tuple[NVMeTier, _PunchRig, Slots, list[OffloadKey]]:
+) -> tuple[NVMeTier, PunchRig, Slots, list[OffloadKey]]:
     """A tier with the punch rig (capacity 16 MiB) whose filesystem group A filled with keys.
 
     Returns:
         ``(tier, rig, buf, A's keys held)``.
     """
-    holder: list[_PunchRig] = []
-    tier = await _open(root, groups, capacity_bytes=16 << 20, row_io_wrapper=_punch_rig(holder))
-    return tier, holder[0], buf, await _fill_with_a(tier, buf)
-
-
-def _row_blocks(tier: NVMeTier) -> int:
-    """Bytes of disk blocks of the tier's segment files, headers left out."""
-    paths = list(tier.directory.glob("g*/*.kvrows"))
-    return sum(p.stat().st_blocks * 512 for p in paths) - HEADER * len(paths)
+    holder: list[PunchRig] = []
+    tier = await open_tier(root, groups, capacity_bytes=16 << 20, row_io_wrapper=_punch_rig(holder))
+    return tier, holder[0], buf, await fill_with_a(tier, buf)
 
 
 # =============================================================== regressions
@@ -180,21 +109,21 @@ async def test_after_a_reopen_on_tmpfs_a_keyless_group_evicts_no_key_while_free_
     mnt = tmpfs(6 << 20)
     root = mnt / "nvme"
     groups = {A: NB[A], B: NB[B]}
-    tier = await _open(root, groups, capacity_bytes=16 << 20)
+    tier = await open_tier(root, groups, capacity_bytes=16 << 20)
     buf = slots(2, SLOT)
-    a_keys = [_key(i, A) for i in range(3)]
+    a_keys = [fs_key(i, A) for i in range(3)]
     for k in a_keys:
-        assert await tier.write_rows(_rows(buf, [k])) == [None]
+        assert await tier.write_rows(key_rows(buf, [k])) == [None]
     assert tier._index.segments(A) == {0: (127, 127)}  # a whole step
     await tier.close()
-    _fill(mnt)
-    tier = await _open(root, groups, capacity_bytes=16 << 20)
+    fill_fs(mnt)
+    tier = await open_tier(root, groups, capacity_bytes=16 << 20)
     try:
         # lseek cannot tell A's 124 allocated, never written rows from punched ones: the
         # open punches them (_blanking.punch_unsure), which gives B its room
-        assert _row_blocks(tier) == 3 * disk_full.ROW[A] == tier._index.held_nbytes
-        assert await tier.write_rows(_rows(buf, [_key("b", B)])) == [None]
-        _states(tier._index)
+        assert row_blocks(tier) == 3 * ROW[A] == tier._index.held_nbytes
+        assert await tier.write_rows(key_rows(buf, [fs_key("b", B)])) == [None]
+        check_settled_rows(tier._index)
         lost = [k for k in a_keys if k not in set(tier.keys())]
         assert lost == [], (lost, tier.stats()["disk_full_evictions"])
     finally:
@@ -213,31 +142,31 @@ async def test_punching_turns_back_on_after_a_tenant_took_the_punched_space_twic
     both rows fail with 'enospc' (expected). The tenant leaves; A writes until the
     filesystem is full of its keys again; group C, with no key, then writes one row."""
     mnt = tmpfs(FS)
-    holder: list[_PunchRig] = []
+    holder: list[PunchRig] = []
     groups = {A: NB[A], B: NB[B], C: NB[C]}
-    tier = await _open(
+    tier = await open_tier(
         mnt / "nvme", groups, capacity_bytes=16 << 20, row_io_wrapper=_punch_rig(holder)
     )
     rig = holder[0]
     buf = slots(2, SLOT)
     try:
-        await _fill_with_a(tier, buf)
+        await fill_with_a(tier, buf)
         rig.tenant = mnt
         for i in range(2):
-            got = await tier.write_rows(_rows(buf, [_key(f"b{i}", B)]))
-            assert _kinds(got) == ["enospc"]
+            got = await tier.write_rows(key_rows(buf, [fs_key(f"b{i}", B)]))
+            assert error_kinds(got) == ["enospc"]
         rig.tenant = None
         for path in rig.tenant_files:  # the tenant leaves
             os.unlink(path)
-        _states(tier._index)
+        check_settled_rows(tier._index)
         before = tier.stats()["disk_full_evictions"]
         n = 0
         while tier.stats()["disk_full_evictions"] == before:  # A fills it again
-            assert await tier.write_rows(_rows(buf, [_key(f"again{n}", A)])) == [None]
+            assert await tier.write_rows(key_rows(buf, [fs_key(f"again{n}", A)])) == [None]
             n += 1
             assert n < 2000
-        got = await tier.write_rows(_rows(buf, [_key("c", C)]))
-        assert _kinds(got) == [None], (_kinds(got), tier._punch_frees)
+        got = await tier.write_rows(key_rows(buf, [fs_key("c", C)]))
+        assert error_kinds(got) == [None], (error_kinds(got), tier._punch_frees)
     finally:
         await tier.close()
 
@@ -258,18 +187,18 @@ async def test_concurrent_keyless_groups_never_take_each_others_punched_space(tm
     kinds, frees = [], []
     for trial in range(3):
         root = mnt / f"nvme{trial}"
-        tier = await _open(root, groups, capacity_bytes=64 << 20)
+        tier = await open_tier(root, groups, capacity_bytes=64 << 20)
         try:
-            await _fill_with_a(tier, buf)
+            await fill_with_a(tier, buf)
             calls, first = [], 0
             for g, n in batches.items():
-                keys = [_key(f"k{g}-{i}", g) for i in range(n)]
-                calls.append(tier.write_rows(_rows(buf, keys, first=first)))
+                keys = [fs_key(f"k{g}-{i}", g) for i in range(n)]
+                calls.append(tier.write_rows(key_rows(buf, keys, first=first)))
                 first += n
             outs = await asyncio.wait_for(asyncio.gather(*calls), 30)
-            kinds.append([_kinds(o) for o in outs])
+            kinds.append([error_kinds(o) for o in outs])
             frees.append(tier._punch_frees)
-            _states(tier._index)
+            check_settled_rows(tier._index)
         finally:
             await tier.close()
         shutil.rmtree(root)
@@ -292,12 +221,12 @@ async def test_concurrent_keyless_groups_with_many_keys_while_reads_pin_the_olde
     before and after a reopen."""
     mnt = tmpfs(FS)
     root = mnt / "nvme"
-    holder: list[_PunchRig] = []
+    holder: list[PunchRig] = []
     groups = {A: NB[A], B: NB[B], C: NB[C], BIG: NB[BIG], SMALL: NB[SMALL]}
-    tier = await _open(root, groups, capacity_bytes=64 << 20, row_io_wrapper=_punch_rig(holder))
+    tier = await open_tier(root, groups, capacity_bytes=64 << 20, row_io_wrapper=_punch_rig(holder))
     rig = holder[0]
     buf = slots(20, SLOT)
-    held_a = await _fill_with_a(tier, buf)
+    held_a = await fill_with_a(tier, buf)
     pinned = held_a[:3]
     rig.hold_reads = True
     reads = asyncio.ensure_future(tier.read_rows([(k, buf[17 + i]) for i, k in enumerate(pinned)]))
@@ -306,7 +235,7 @@ async def test_concurrent_keyless_groups_with_many_keys_while_reads_pin_the_olde
     calls, first = [], 0
     for g, n in batches.items():
         calls.append(
-            tier.write_rows(_rows(buf, [_key(f"k{g}-{i}", g) for i in range(n)], first=first))
+            tier.write_rows(key_rows(buf, [fs_key(f"k{g}-{i}", g) for i in range(n)], first=first))
         )
         first += n
     outs = await asyncio.wait_for(asyncio.gather(*calls), 30)
@@ -318,22 +247,22 @@ async def test_concurrent_keyless_groups_with_many_keys_while_reads_pin_the_olde
     got = await asyncio.wait_for(reads, 10)
     assert got == [(0, 4)] * 3
     for i, k in enumerate(pinned):
-        assert bytes(buf[17 + i][: NB[A]]) == _data(k)
+        assert bytes(buf[17 + i][: NB[A]]) == key_data(k)
     # some rows may fail with 'enospc' (see the bug above); the others are stored
     for (g, n), out in zip(batches.items(), outs, strict=True):
-        assert set(_kinds(out)) <= {None, "enospc"}, _kinds(out)
-        stored = {_key(f"k{g}-{i}", g) for i in range(n) if out[i] is None}
+        assert set(error_kinds(out)) <= {None, "enospc"}, error_kinds(out)
+        stored = {fs_key(f"k{g}-{i}", g) for i in range(n) if out[i] is None}
         assert stored <= keys
     lost = [k for k in held_a if k not in keys]
     assert lost == [k for k in held_a[3:] if k not in keys]
     assert lost == held_a[3 : 3 + len(lost)]  # the oldest unpinned ones
     assert tier.stats()["disk_full_evictions"] >= len(lost)
-    _states(tier._index)
+    check_settled_rows(tier._index)
     assert tier._index.held_nbytes <= FS
-    snap = await _snapshot(tier)
-    assert all(data == _data(k) for k, data in snap.items())
+    snap = await fs_snapshot(tier)
+    assert all(data == key_data(k) for k, data in snap.items())
     await tier.close()
-    found, st = await _reopened(root, groups)
+    found, st = await reopened(root, groups)
     assert found == snap
     assert st["invalid_rows_at_open"] == 0
 
@@ -352,38 +281,26 @@ async def test_a_failed_punch_of_the_evicted_keys_leaves_no_key_and_the_next_rou
     groups = {A: NB[A], B: NB[B]}
     tier, rig, buf, held_a = await _full_of_a(root, groups, slots(2, SLOT))
     rig.punch_errno, rig.punch_faults = err, 1
-    got = await asyncio.wait_for(tier.write_rows(_rows(buf, [_key("b0", B)])), 20)
-    assert _kinds(got) == [None]
+    got = await asyncio.wait_for(tier.write_rows(key_rows(buf, [fs_key("b0", B)])), 20)
+    assert error_kinds(got) == [None]
     assert rig.punch_faults == 0
     assert tier.stats()["reclaim_failures"] == 1
     gone = [k for k in held_a if k not in set(tier.keys())]
     assert gone == held_a[: len(gone)]
     assert len(gone) == 4  # two rounds of one 8 KiB row, a header and a page
-    _states(tier._index)
+    check_settled_rows(tier._index)
     await tier.flush()
-    found, _ = await _reopened_copy(tier, root, groups)
+    found, _ = await reopened_copy(tier, root, groups)
     assert not set(gone) & set(found)
-    got = await asyncio.wait_for(tier.write_rows(_rows(buf, [_key("b1", B)])), 20)
-    assert _kinds(got) == [None]
+    got = await asyncio.wait_for(tier.write_rows(key_rows(buf, [fs_key("b1", B)])), 20)
+    assert error_kinds(got) == [None]
     assert [k for k in held_a if k not in set(tier.keys())] == gone  # no other key of A
-    _states(tier._index)
-    snap = await _snapshot(tier)
-    assert all(data == _data(k) for k, data in snap.items())
+    check_settled_rows(tier._index)
+    snap = await fs_snapshot(tier)
+    assert all(data == key_data(k) for k, data in snap.items())
     await tier.close()
-    found, _ = await _reopened(root, groups)
+    found, _ = await reopened(root, groups)
     assert found == snap
-
-
-async def _reopened_copy(
-    tier: NVMeTier, root: Any, groups: dict[int, int]
-) -> tuple[dict[OffloadKey, bytes | None], dict[str, Any]]:
-    """What a crash now would leave: the keys a reopen of a copy of the live folder finds."""
-    copy = root.parent.parent / f"copy{random.randrange(1 << 30)}"
-    shutil.copytree(root, copy, ignore=shutil.ignore_patterns("*.lock", "lock"))
-    try:
-        return await _reopened(copy, groups)
-    finally:
-        shutil.rmtree(copy, ignore_errors=True)
 
 
 async def test_discard_read_drain_and_close_while_the_punch_for_a_keyless_row_waits(
@@ -398,15 +315,15 @@ async def test_discard_read_drain_and_close_while_the_punch_for_a_keyless_row_wa
     groups = {A: NB[A], B: NB[B]}
     tier, rig, buf, held_a = await _full_of_a(root, groups, slots(4, SLOT))
     rig.hold_punch = True
-    b = _key("b", B)
-    write = asyncio.ensure_future(tier.write_rows(_rows(buf, [b])))
+    b = fs_key("b", B)
+    write = asyncio.ensure_future(tier.write_rows(key_rows(buf, [b])))
     assert await asyncio.to_thread(rig.punch_held.wait, 10)
     taken = [k for k in held_a if k not in set(tier.keys())]
     assert taken == held_a[:2]
     got = await tier.read_rows([(k, buf[1 + i]) for i, k in enumerate(taken)])
-    assert _kinds(got) == ["missing", "missing"]  # type: ignore[arg-type]
+    assert error_kinds(got) == ["missing", "missing"]  # type: ignore[arg-type]
     assert await tier.read_rows([(held_a[2], buf[3])]) == [(0, 4)]
-    assert bytes(buf[3][: NB[A]]) == _data(held_a[2])
+    assert bytes(buf[3][: NB[A]]) == key_data(held_a[2])
     tier.discard(b)
     drain = asyncio.ensure_future(tier.drain())
     close = asyncio.ensure_future(tier.close())
@@ -415,13 +332,13 @@ async def test_discard_read_drain_and_close_while_the_punch_for_a_keyless_row_wa
     assert not drain.done()
     assert not close.done()
     rig.punch_release.set()
-    assert _kinds(await asyncio.wait_for(write, 20)) == [None]
+    assert error_kinds(await asyncio.wait_for(write, 20)) == [None]
     await asyncio.wait_for(asyncio.gather(drain, close), 20)
     assert b not in set(tier.keys())
-    _states(tier._index)
-    found, _ = await _reopened(root, groups)
+    check_settled_rows(tier._index)
+    found, _ = await reopened(root, groups)
     assert set(found) == set(held_a[2:])
-    assert all(found[k] == _data(k) for k in found)
+    assert all(found[k] == key_data(k) for k in found)
 
 
 async def test_a_tenant_taking_every_punch_evicts_two_rounds_per_row_then_stops(
@@ -433,25 +350,25 @@ async def test_a_tenant_taking_every_punch_evicts_two_rounds_per_row_then_stops(
     and after two such rows no more keys of A are evicted. The index adds up and every
     key of A left reads back its bytes."""
     mnt = tmpfs(FS)
-    holder: list[_PunchRig] = []
+    holder: list[PunchRig] = []
     groups = {A: NB[A], B: NB[B]}
-    tier = await _open(
+    tier = await open_tier(
         mnt / "nvme", groups, capacity_bytes=16 << 20, row_io_wrapper=_punch_rig(holder)
     )
     rig = holder[0]
     buf = slots(2, SLOT)
-    held_a = await _fill_with_a(tier, buf)
+    held_a = await fill_with_a(tier, buf)
     rig.tenant = mnt
     lost = []
     for i in range(5):
-        got = await asyncio.wait_for(tier.write_rows(_rows(buf, [_key(f"b{i}", B)])), 20)
-        assert _kinds(got) == ["enospc"]
+        got = await asyncio.wait_for(tier.write_rows(key_rows(buf, [fs_key(f"b{i}", B)])), 20)
+        assert error_kinds(got) == ["enospc"]
         lost.append(sum(k not in set(tier.keys()) for k in held_a))
     assert lost == [4, 8, 8, 8, 8], lost
     assert tier.stats()["failures_enospc"] == 5
-    _states(tier._index)
-    snap = await _snapshot(tier)
-    assert all(data == _data(k) for k, data in snap.items())
+    check_settled_rows(tier._index)
+    snap = await fs_snapshot(tier)
+    assert all(data == key_data(k) for k, data in snap.items())
     await tier.close()
 
 
@@ -463,35 +380,35 @@ async def test_a_short_write_punches_its_row_and_fails_that_key_alone(tmpfs, slo
     the same keys with their bytes."""
     mnt = tmpfs(4 << 20)
     root = mnt / "nvme"
-    holder: list[_PunchRig] = []
+    holder: list[PunchRig] = []
     groups = {A: NB[A]}
-    tier = await _open(root, groups, capacity_bytes=16 << 20, grow_ahead=False,
+    tier = await open_tier(root, groups, capacity_bytes=16 << 20, grow_ahead=False,
                        row_io_wrapper=_punch_rig(holder))  # fmt: skip
     rig = holder[0]
     buf = slots(3, SLOT)
     for i in range(3):
-        assert await tier.write_rows(_rows(buf, [_key(i, A)])) == [None]
-    held0, blocks0 = tier._index.held_nbytes, _row_blocks(tier)
-    bad = _key("short", A)
-    rig.short.add(disk_full._tag(bad))
-    got = await tier.write_rows(_rows(buf, [_key(3, A), bad]))  # one run: bad is its last row
-    assert _kinds(got) == [None, "short_write"]
-    assert tier._index.held_nbytes == held0 - disk_full.ROW[A]
-    assert _row_blocks(tier) == blocks0 - disk_full.ROW[A]
+        assert await tier.write_rows(key_rows(buf, [fs_key(i, A)])) == [None]
+    held0, blocks0 = tier._index.held_nbytes, row_blocks(tier)
+    bad = fs_key("short", A)
+    rig.short.add(trailer_tag(bad))
+    got = await tier.write_rows(key_rows(buf, [fs_key(3, A), bad]))  # one run: bad is its last row
+    assert error_kinds(got) == [None, "short_write"]
+    assert tier._index.held_nbytes == held0 - ROW[A]
+    assert row_blocks(tier) == blocks0 - ROW[A]
     assert len(tier._index._holed) == 1
-    _states(tier._index)
+    check_settled_rows(tier._index)
     rig.short.clear()
-    assert await tier.write_rows(_rows(buf, [bad])) == [None]
+    assert await tier.write_rows(key_rows(buf, [bad])) == [None]
     # a free row that holds its blocks goes first; the punched row waits, free, punched
-    assert tier._index.held_nbytes == held0 - disk_full.ROW[A]
+    assert tier._index.held_nbytes == held0 - ROW[A]
     assert len(tier._index._holed) == 1
-    assert _row_blocks(tier) == blocks0 - disk_full.ROW[A]
-    _states(tier._index)
-    snap = await _snapshot(tier)
-    assert set(snap) == {bad} | {_key(i, A) for i in range(4)}
-    assert all(data == _data(k) for k, data in snap.items())
+    assert row_blocks(tier) == blocks0 - ROW[A]
+    check_settled_rows(tier._index)
+    snap = await fs_snapshot(tier)
+    assert set(snap) == {bad} | {fs_key(i, A) for i in range(4)}
+    assert all(data == key_data(k) for k, data in snap.items())
     await tier.close()
-    found, _ = await _reopened(root, groups)
+    found, _ = await reopened(root, groups)
     assert found == snap
 
 
@@ -506,43 +423,45 @@ async def test_ext4_keyless_group_punches_keys_and_reopen_counts_the_holes_exact
     mnt = ext4(8 << 20)
     root = mnt / "nvme"
     groups = {A: NB[A], B: NB[B], BIG: NB[BIG]}
-    tier = await _open(root, groups, capacity_bytes=64 << 20)
+    tier = await open_tier(root, groups, capacity_bytes=64 << 20)
     buf = slots(4, SLOT)
     for i in range(40):
-        assert await tier.write_rows(_rows(buf, [_key(f"a{i}", A)])) == [None]
+        assert await tier.write_rows(key_rows(buf, [fs_key(f"a{i}", A)])) == [None]
     os.sync()
-    _fill(mnt)
-    held_a = await _fill_with_a(tier, buf)
+    fill_fs(mnt)
+    held_a = await fill_with_a(tier, buf)
     got = []
-    for k in [_key("b0", B), _key("g0", BIG), _key("b1", B)]:
-        got += await tier.write_rows(_rows(buf, [k]))
-    got += await tier.write_rows(_rows(buf, [_key(f"g{i}", BIG) for i in (1, 2, 3)]))
-    assert _kinds(got) == [None] * 6
+    for k in [fs_key("b0", B), fs_key("g0", BIG), fs_key("b1", B)]:
+        got += await tier.write_rows(key_rows(buf, [k]))
+    got += await tier.write_rows(key_rows(buf, [fs_key(f"g{i}", BIG) for i in (1, 2, 3)]))
+    assert error_kinds(got) == [None] * 6
     keys = set(tier.keys())
     lost = [k for k in held_a if k not in keys]
     assert lost
     assert lost == held_a[: len(lost)]
-    _states(tier._index)
+    check_settled_rows(tier._index)
     await tier.flush()
     os.sync()
     ix = tier._index
-    assert abs(_row_blocks(tier) - ix.held_nbytes) <= 4096 * len(tier._segments), (
-        _row_blocks(tier),
+    assert abs(row_blocks(tier) - ix.held_nbytes) <= 4096 * len(tier._segments), (
+        row_blocks(tier),
         ix.held_nbytes,
     )
     held, holed = ix.held_nbytes, set(ix._holed)
-    snap = await _snapshot(tier)
-    assert all(data == _data(k) for k, data in snap.items())
+    snap = await fs_snapshot(tier)
+    assert all(data == key_data(k) for k, data in snap.items())
     await tier.close()
-    tier = await _open(root, groups, capacity_bytes=64 << 20)
+    tier = await open_tier(root, groups, capacity_bytes=64 << 20)
     try:
         assert tier._index.held_nbytes == held
         assert tier._index._holed == holed
-        assert await _snapshot(tier) == snap
+        assert await fs_snapshot(tier) == snap
         assert tier.stats()["invalid_rows_at_open"] == 0
-        got = await tier.write_rows(_rows(buf, [_key("b2", B), _key("g4", BIG), _key("a-new", A)]))
-        assert _kinds(got) == [None] * 3
-        _states(tier._index)
+        got = await tier.write_rows(
+            key_rows(buf, [fs_key("b2", B), fs_key("g4", BIG), fs_key("a-new", A)])
+        )
+        assert error_kinds(got) == [None] * 3
+        check_settled_rows(tier._index)
     finally:
         await tier.close()
 
@@ -578,8 +497,8 @@ async def _crash_child(root: str, log_path: str) -> None:
     BIG while every key of theirs is being read (pinned, reads slowed): their rows keep
     taking A's keys (punched). Rewrites of earlier keys (a new salt), A's rows too, a
     flush now and then; each key logged before its write."""
-    holder: list[_PunchRig] = []
-    tier = NVMeTier(**_kw(root, CRASH_GROUPS, capacity_bytes=64 << 20, grow_ahead=False,
+    holder: list[PunchRig] = []
+    tier = NVMeTier(**groups_kwargs(root, CRASH_GROUPS, capacity_bytes=64 << 20, grow_ahead=False,
                           row_io_wrapper=_punch_rig(holder)))  # fmt: skip
     await tier.open()
     holder[0].read_delay = 0.01
@@ -593,12 +512,12 @@ async def _crash_child(root: str, log_path: str) -> None:
             log.write(json.dumps([k.block_hash.decode(), k.group_id, salt[k]]) + "\n")
 
         while tier.stats()["disk_full_evictions"] == 0:
-            k = _key(f"{os.getpid()}-a{n}", A)
+            k = fs_key(f"{os.getpid()}-a{n}", A)
             n += 1
             salt[k] = 0
             logged(k)
             log.flush()
-            await tier.write_rows(_rows(buf, [k], salt))
+            await tier.write_rows(key_rows(buf, [k], salt))
         print("ready", flush=True)
         while True:
             calls = []
@@ -612,12 +531,12 @@ async def _crash_child(root: str, log_path: str) -> None:
                             continue
                         salt[k] += 1
                     else:
-                        k = _key(f"{os.getpid()}-{n}", g)
+                        k = fs_key(f"{os.getpid()}-{n}", g)
                         n += 1
                         salt[k] = 0
                     keys.append(k)
                     logged(k)
-                calls.append(tier.write_rows(_rows(buf, keys, salt, first=4 * c)))
+                calls.append(tier.write_rows(key_rows(buf, keys, salt, first=4 * c)))
             log.flush()
             mine = [k for k in list(tier.keys()) if k.group_id != A][:8]
             reads = tier.read_rows([(k, buf[16 + i]) for i, k in enumerate(mine)])
@@ -647,24 +566,24 @@ def test_sigkill_while_keyless_groups_punch_keys_of_another(tmpfs, tmp_path) -> 
             written.setdefault((h.encode(), g), set()).add(s)
 
         async def check(it: int = it) -> int:
-            tier = await _open(root, CRASH_GROUPS, capacity_bytes=64 << 20)
+            tier = await open_tier(root, CRASH_GROUPS, capacity_bytes=64 << 20)
             try:
-                _states(tier._index)
-                found = await _snapshot(tier)
+                check_settled_rows(tier._index)
+                found = await fs_snapshot(tier)
                 ok = 0
                 for k, data in found.items():
                     salts = written.get((k.block_hash, k.group_id))
                     assert salts is not None, k
                     if data is not None:
-                        assert any(data == _data(k, s) for s in salts), k
+                        assert any(data == key_data(k, s) for s in salts), k
                         ok += 1
                 buf = Slots(1, SLOT)
                 for g in CRASH_GROUPS:
-                    written.setdefault((_key(f"x{it}", g).block_hash, g), set()).add(0)
-                out = [(await tier.write_rows(_rows(buf, [_key(f"x{it}", g)])))[0]
+                    written.setdefault((fs_key(f"x{it}", g).block_hash, g), set()).add(0)
+                out = [(await tier.write_rows(key_rows(buf, [fs_key(f"x{it}", g)])))[0]
                        for g in CRASH_GROUPS]  # fmt: skip
                 buf.close()
-                assert _kinds(out) == [None] * len(CRASH_GROUPS)
+                assert error_kinds(out) == [None] * len(CRASH_GROUPS)
                 return ok
             finally:
                 await tier.close()

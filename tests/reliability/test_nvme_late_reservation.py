@@ -10,7 +10,7 @@ room only after its group grew (``reserve(evict_others=False)``,
 own group's least recently used key alone (``evict_own(reserved=False)``).
 
 Real seams only: ``row_io_wrapper`` RowIO wrappers around the real backend
-(the ``_Rig`` of test_nvme_disk_full.py: ENOSPC/EDQUOT/EIO on growth, EIO on row writes, held
+(the ``FullFsRig`` of full_fs.py: ENOSPC/EDQUOT/EIO on growth, EIO on row writes, held
 blanking writes and reads; here also held or slowed growth, an EIO from a
 punched row's allocation through the backend's file handle, and a check after
 every row write of what a restart would find on disk), small real tmpfs and
@@ -25,30 +25,24 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import functools
 import json
 import os
-import pathlib
 import random
 import shutil
 import sys
-import threading
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
 from kvtier import OffloadKey
 from kvtier.errors import StorageError
-from kvtier.io import NVMeTier, RowIO
+from kvtier.io import NVMeTier
 from kvtier.io import _files as files
-from kvtier.io._format import TRAILER_NBYTES, decode_trailer
 
 from ..io.conftest import Slots
-from . import test_nvme_disk_full as disk_full
-from ._faultio import check_found, kill_child, kill_log, rig_factory, until_set
-from .test_nvme_disk_full import (
+from ._faultio import check_found, kill_child, kill_log, until_set
+from .full_fs import (
     BIG,
     HEADER,
     MID,
@@ -59,145 +53,27 @@ from .test_nvme_disk_full import (
     A,
     B,
     G,
-    _data,
-    _fill,
-    _key,
-    _kinds,
-    _kw,
-    _Rig,
-    _rows,
-    _snapshot,
-    _states,
-    _tag,
+    error_kinds,
+    fill_fs,
+    fs_key,
+    fs_snapshot,
+    groups_kwargs,
+    key_data,
+    key_rows,
+    reopened,
+    trailer_tag,
 )
-
-tmpfs = disk_full.tmpfs  # the fixtures: a real tmpfs / ext4 loop mount of a given size (root only)
-ext4 = disk_full.ext4
+from .growth_rig import GrowthRig, growth_rig, on_disk, open_tier, row_blocks
+from .row_states import check_settled_rows
 
 C = MID  # a third group of 8 KiB rows
 EQ3 = {A: NB[A], B: NB[B], C: NB[C]}
 UNEQUAL = {BIG: G[BIG], SMALL: G[SMALL]}  # rows of 40 and 8 KiB
 
 
-def _on_disk(directory: pathlib.Path) -> dict[OffloadKey, int]:
-    """What a restart would find: every key with a decodable trailer, its highest sequence."""
-    best: dict[OffloadKey, int] = {}
-    for path in directory.glob("g*/*.kvrows"):
-        row = ROW[int(path.parent.name[1:])]
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            for i in range((os.fstat(fd).st_size - HEADER) // row):
-                raw = os.pread(fd, TRAILER_NBYTES, HEADER + (i + 1) * row - TRAILER_NBYTES)
-                if not any(raw):
-                    continue
-                try:
-                    trailer = decode_trailer(raw)
-                except StorageError:
-                    continue
-                k = OffloadKey(trailer.block_hash, trailer.group_id)
-                best[k] = max(best.get(k, -1), trailer.seq)
-        finally:
-            os.close(fd)
-    return best
-
-
-def _valid_nbytes(directory: pathlib.Path) -> int:
-    """Row bytes a restart would count (one row per key)."""
-    return sum(ROW[k.group_id] for k in _on_disk(directory))
-
-
-class _Handle:
-    """A segment handle of :class:`_GrowthRig` (the real one inside); its ``fd`` may fail."""
-
-    __slots__ = ("real", "rig")
-
-    def __init__(self, real: Any, rig: _GrowthRig) -> None:
-        self.real = real
-        self.rig = rig
-
-    @property
-    def fd(self) -> int:
-        # _files.fill_row allocates a punched row's blocks through the handle's fd
-        if self.rig.fill_faults and sys._getframe(1).f_code.co_name == "fill_row":
-            self.rig.fill_faults -= 1
-            self.rig.fill_failed += 1
-            raise OSError(errno.EIO, "injected EIO on a punched row's allocation")
-        return self.real
-
-
-class _GrowthRig(_Rig):
-    """The rig of test_nvme_disk_full.py, plus: growth held (``hold_alloc``) or slowed
-    (``alloc_delay``); ``fill_faults`` EIOs on a punched row's allocation (handles
-    wrapped, ``wrap=True``);
-    ``watch``: after every row write (row writes serialized), the row bytes a restart
-    would find on disk, their maximum in ``worst``."""
-
-    def __init__(self, inner: RowIO, wrap: bool = False) -> None:
-        super().__init__(inner)
-        self.wrap = wrap
-        self.hold_alloc = False
-        self.alloc_held = threading.Event()
-        self.alloc_release = threading.Event()
-        self.alloc_delay = 0.0
-        self.allocs = 0
-        self.fill_faults = 0
-        self.fill_failed = 0
-        self.watch: pathlib.Path | None = None
-        self.worst = 0
-        self.checks = 0
-        self._row_lock = threading.Lock()
-
-    def _real(self, handle: Any) -> Any:
-        return handle.real if isinstance(handle, _Handle) else handle
-
-    def open(self, path: str | os.PathLike[str], create: bool) -> Any:
-        handle = self.inner.open(path, create)
-        return _Handle(handle, self) if self.wrap else handle
-
-    def close(self, handle: Any) -> None:
-        self.inner.close(self._real(handle))
-
-    def fdatasync(self, handle: Any) -> None:
-        self.inner.fdatasync(self._real(handle))
-
-    def preadv(self, handle: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
-        return super().preadv(self._real(handle), bufs, file_offset)
-
-    def allocate(self, handle: Any, nbytes: int) -> None:
-        self.allocs += 1
-        if self.hold_alloc:
-            self.alloc_held.set()
-            assert self.alloc_release.wait(30)
-        if self.alloc_delay:
-            time.sleep(self.alloc_delay)
-        super().allocate(self._real(handle), nbytes)
-
-    def pwritev(self, handle: Any, bufs: Sequence[memoryview], file_offset: int) -> int:
-        handle = self._real(handle)
-        if self.watch is None or sum(memoryview(b).nbytes for b in bufs) == TRAILER_NBYTES:
-            return super().pwritev(handle, bufs, file_offset)
-        with self._row_lock:
-            try:
-                return super().pwritev(handle, bufs, file_offset)
-            finally:
-                self.worst = max(self.worst, _valid_nbytes(self.watch))
-                self.checks += 1
-
-
-def _growth_rig(holder: list[_GrowthRig], wrap: bool = False) -> Any:
-    return rig_factory(functools.partial(_GrowthRig, wrap=wrap), holder)
-
-
-async def _open(root: pathlib.Path, groups: Mapping[int, int], **over: Any) -> NVMeTier:
-    over.setdefault("grow_ahead", False)
-    tier = NVMeTier(**_kw(root, groups, **over))
-    await tier.open()
-    return tier
-
-
 async def _write_each(tier: NVMeTier, buf: Slots, keys: Sequence[OffloadKey]) -> None:
     for k in keys:
-        assert await tier.write_rows(_rows(buf, [k])) == [None], k
+        assert await tier.write_rows(key_rows(buf, [k])) == [None], k
 
 
 def _gone(before: set[OffloadKey], tier: NVMeTier) -> set[OffloadKey]:
@@ -208,9 +84,9 @@ def _names(keys: set[OffloadKey] | list[OffloadKey]) -> list[bytes]:
     return sorted(k.block_hash for k in keys)
 
 
-def _full_tier_kw(holder: list[_GrowthRig], rows: int, **over: Any) -> dict[str, Any]:
+def _full_tier_kw(holder: list[GrowthRig], rows: int, **over: Any) -> dict[str, Any]:
     """capacity_bytes of ``rows`` 8 KiB rows (up to 12: every growth step is one row)."""
-    return {"capacity_bytes": rows * ROW[A], "row_io_wrapper": _growth_rig(holder), **over}
+    return {"capacity_bytes": rows * ROW[A], "row_io_wrapper": growth_rig(holder), **over}
 
 
 # =============================================================== regressions
@@ -222,24 +98,24 @@ def _full_tier_kw(holder: list[_GrowthRig], rows: int, **over: Any) -> dict[str,
 # another group, or the key is gone when that rewrite fails (EIO). write_batch builds the
 # call's key set once and both reservations protect it
 async def test_a_late_reservation_never_evicts_a_key_its_own_call_rewrites(tmp_path, slots) -> None:
-    holder: list[_GrowthRig] = []
-    tier = await _open(tmp_path / "nvme", EQ3, **_full_tier_kw(holder, 4, eviction_window=1))
+    holder: list[GrowthRig] = []
+    tier = await open_tier(tmp_path / "nvme", EQ3, **_full_tier_kw(holder, 4, eviction_window=1))
     buf = slots(2, SLOT)
-    b0, spare, c0, a0 = _key("b0", B), _key("spare", B), _key("c0", C), _key("a0", A)
+    b0, spare, c0, a0 = fs_key("b0", B), fs_key("spare", B), fs_key("c0", C), fs_key("a0", A)
     await _write_each(tier, buf, [b0, spare, c0, a0])
     tier.discard(spare)  # group B gets a free row: the rewrite of b0 has a row at hand
     assert tier._index.lru_keys() == [b0, c0, a0]  # b0 least recently used
-    x = _key("x", A)  # group A has no free row: x reserves late, after A grew
-    holder[0].fail.add(_tag(b0))  # the rewrite of b0 fails
-    got = await tier.write_rows(_rows(buf, [b0, x], {b0: 1}))
-    assert _kinds(got) == ["eio", None]
+    x = fs_key("x", A)  # group A has no free row: x reserves late, after A grew
+    holder[0].fail.add(trailer_tag(b0))  # the rewrite of b0 fails
+    got = await tier.write_rows(key_rows(buf, [b0, x], {b0: 1}))
+    assert error_kinds(got) == ["eio", None]
     await tier.drain()
-    _states(tier._index)
+    check_settled_rows(tier._index)
     keys = set(tier.keys())
-    snap = await _snapshot(tier)
+    snap = await fs_snapshot(tier)
     await tier.close()
     assert b0 in keys, "the failed rewrite's key was evicted for another key of its call"
-    assert snap[b0] == _data(b0)  # its old bytes
+    assert snap[b0] == key_data(b0)  # its old bytes
     assert keys == {b0, a0, x}  # c0, the least recently used key outside the call, went
 
 
@@ -254,16 +130,16 @@ async def test_a_late_reservation_never_evicts_a_key_its_own_call_rewrites(tmp_p
 async def test_no_room_is_reported_as_capacity_not_as_the_failed_growth(
     tmp_path, slots, why, err
 ) -> None:
-    holder: list[_GrowthRig] = []
+    holder: list[GrowthRig] = []
     if why == "too_big":  # a 40 KiB row in a tier of 32 KiB
-        tier = await _open(tmp_path / "nvme", UNEQUAL, **_full_tier_kw(holder, 4))
-        new = _key("big", BIG)
+        tier = await open_tier(tmp_path / "nvme", UNEQUAL, **_full_tier_kw(holder, 4))
+        new = fs_key("big", BIG)
     else:  # a full tier whose every key is being read
-        tier = await _open(tmp_path / "nvme", EQ3, **_full_tier_kw(holder, 4))
-        new = _key("c", C)
+        tier = await open_tier(tmp_path / "nvme", EQ3, **_full_tier_kw(holder, 4))
+        new = fs_key("c", C)
     rig = holder[0]
     buf = slots(6, SLOT)
-    olds = [_key(i, (A, B)[i % 2]) for i in range(4)] if why == "pinned" else []
+    olds = [fs_key(i, (A, B)[i % 2]) for i in range(4)] if why == "pinned" else []
     await _write_each(tier, buf, olds)
     rig.full_errno = err
     rig.hold_reads = bool(olds)
@@ -271,7 +147,7 @@ async def test_no_room_is_reported_as_capacity_not_as_the_failed_growth(
     try:
         if olds:
             await until_set(rig.read_held)
-        (res,) = await tier.write_rows(_rows(buf, [new]))
+        (res,) = await tier.write_rows(key_rows(buf, [new]))
     finally:
         rig.reads_release.set()
     assert await reads == [(0, 4)] * len(olds)
@@ -291,13 +167,13 @@ async def test_no_room_is_reported_as_capacity_not_as_the_failed_growth(
 async def test_unequal_rows_evict_in_strict_lru_order_whether_the_filesystem_is_full_or_not(
     tmp_path, slots, full
 ) -> None:
-    holder: list[_GrowthRig] = []
+    holder: list[GrowthRig] = []
     cap = 2 * ROW[BIG] + 5 * ROW[SMALL]
-    kw = {"capacity_bytes": cap, "row_io_wrapper": _growth_rig(holder), "eviction_window": 1}
-    tier = await _open(tmp_path / "nvme", UNEQUAL, **kw)
+    kw = {"capacity_bytes": cap, "row_io_wrapper": growth_rig(holder), "eviction_window": 1}
+    tier = await open_tier(tmp_path / "nvme", UNEQUAL, **kw)
     buf = slots(1, SLOT)
-    s = [_key(f"s{i}", SMALL) for i in range(5)]
-    b = [_key(f"b{i}", BIG) for i in range(3)]
+    s = [fs_key(f"s{i}", SMALL) for i in range(5)]
+    b = [fs_key(f"b{i}", BIG) for i in range(3)]
     await _write_each(tier, buf, [s[0], b[0], *s[1:], b[1]])
     assert tier.stats()["bytes_used"] == cap  # at capacity, no free row anywhere
     if full:
@@ -305,7 +181,7 @@ async def test_unequal_rows_evict_in_strict_lru_order_whether_the_filesystem_is_
     gone: list[set[OffloadKey]] = []
     for i in range(2):  # first the LRU is s0, b0, ...; then s1..s4, b1, ...
         before = set(tier.keys())
-        assert await tier.write_rows(_rows(buf, [_key(f"new{i}", BIG)])) == [None]
+        assert await tier.write_rows(key_rows(buf, [fs_key(f"new{i}", BIG)])) == [None]
         gone.append(_gone(before, tier))
     st = tier.stats()
     await tier.close()
@@ -329,24 +205,24 @@ async def test_late_evictions_are_blank_before_the_deferred_row_is_written(tmp_p
     no row of it is on disk; a crash image taken then holds at most capacity_bytes of
     valid rows (a reopen at that capacity evicts nothing), never the new key, and the
     evicted key with its own bytes or not at all."""
-    holder: list[_GrowthRig] = []
+    holder: list[GrowthRig] = []
     root = tmp_path / "nvme"
-    tier = await _open(root, EQ3, **_full_tier_kw(holder, 4, eviction_window=1))
+    tier = await open_tier(root, EQ3, **_full_tier_kw(holder, 4, eviction_window=1))
     rig = holder[0]
     buf = slots(1, SLOT)
-    olds = [_key("b0", B), _key("c0", C), _key("a0", A), _key("b1", B)]
+    olds = [fs_key("b0", B), fs_key("c0", C), fs_key("a0", A), fs_key("b1", B)]
     await _write_each(tier, buf, olds)
-    x = _key("x", A)
+    x = fs_key("x", A)
     allocs = rig.allocs
     rig.hold_blank = True
-    call = asyncio.ensure_future(tier.write_rows(_rows(buf, [x])))
+    call = asyncio.ensure_future(tier.write_rows(key_rows(buf, [x])))
     crash = tmp_path / "crash"
     try:
         await until_set(rig.blank_held)
         await asyncio.sleep(0.05)
         assert rig.allocs == allocs + 1  # A grew before the eviction
         assert not call.done(), "the call returned before the evicted row was blank"
-        assert x not in _on_disk(tier.directory)
+        assert x not in on_disk(tier.directory)
         shutil.copytree(root, crash)
     finally:
         rig.blank_release.set()
@@ -354,10 +230,10 @@ async def test_late_evictions_are_blank_before_the_deferred_row_is_written(tmp_p
     assert _gone(set(olds), tier) == {olds[0]}  # B's key, the least recently used
     await tier.close()
     for where, expected in ((crash, None), (root, {*olds[1:], x})):
-        found, st = await disk_full._reopened(where, EQ3, capacity_bytes=4 * ROW[A])
+        found, st = await reopened(where, EQ3, capacity_bytes=4 * ROW[A])
         assert st["evictions"] == 0, "valid rows on disk exceed capacity_bytes"
         assert st["invalid_rows_at_open"] == 0
-        assert all(data == _data(k) for k, data in found.items())
+        assert all(data == key_data(k) for k, data in found.items())
         if expected is None:
             assert x not in found
             assert set(found) >= set(olds[1:])
@@ -371,35 +247,35 @@ async def test_write_without_room_fails_with_capacity_before_any_growth(tmp_path
     test_no_room_is_reported_as_capacity_not_as_the_failed_growth), nothing evicted, no
     capacity leaked; once the reads are done the next write of that group grows once and
     evicts one key."""
-    holder: list[_GrowthRig] = []
-    tier = await _open(tmp_path / "nvme", EQ3, **_full_tier_kw(holder, 4, eviction_window=1))
+    holder: list[GrowthRig] = []
+    tier = await open_tier(tmp_path / "nvme", EQ3, **_full_tier_kw(holder, 4, eviction_window=1))
     rig = holder[0]
     buf = slots(6, SLOT)
-    olds = [_key(i, (A, B)[i % 2]) for i in range(4)]
+    olds = [fs_key(i, (A, B)[i % 2]) for i in range(4)]
     await _write_each(tier, buf, olds)
     rig.hold_reads = True
     reads = asyncio.ensure_future(tier.read_rows([(k, buf[2 + i]) for i, k in enumerate(olds)]))
     try:
         await until_set(rig.read_held)
         allocs = rig.allocs
-        got = await tier.write_rows(_rows(buf, [_key("c0", C), _key("c1", C)]))
+        got = await tier.write_rows(key_rows(buf, [fs_key("c0", C), fs_key("c1", C)]))
         assert rig.allocs == allocs  # no growth for keys that have no room
     finally:
         rig.reads_release.set()
     assert await reads == [(0, 4)] * 4
-    assert _kinds(got) == ["capacity", "capacity"]
+    assert error_kinds(got) == ["capacity", "capacity"]
     assert set(tier.keys()) == set(olds)
     assert tier.stats()["evictions"] == 0
     await tier.drain()
-    _states(tier._index)
+    check_settled_rows(tier._index)
     assert tier._index.free_rows(C) == 0
     rig.hold_reads = False
     allocs = rig.allocs
-    assert await tier.write_rows(_rows(buf, [_key("c2", C)])) == [None]
+    assert await tier.write_rows(key_rows(buf, [fs_key("c2", C)])) == [None]
     assert rig.allocs == allocs + 1
     assert tier.stats()["evictions"] == 1
     await tier.drain()
-    _states(tier._index)
+    check_settled_rows(tier._index)
     await tier.close()
 
 
@@ -411,24 +287,24 @@ async def test_slow_growth_with_concurrent_calls_discard_drain_and_close(tmp_pat
     visible, each new row evicted the least recently used key (the first call's own
     group's key, handed over), no capacity is leaked, and a reopen finds exactly the
     visible keys with their bytes."""
-    holder: list[_GrowthRig] = []
+    holder: list[GrowthRig] = []
     root = tmp_path / "nvme"
-    tier = await _open(root, EQ3, **_full_tier_kw(holder, 6, eviction_window=1))
+    tier = await open_tier(root, EQ3, **_full_tier_kw(holder, 6, eviction_window=1))
     rig = holder[0]
     ix = tier._index
     buf = slots(4, SLOT)
-    o = [_key(f"o{i}", g) for i, g in enumerate((B, C, B, C, A, A))]
-    q = _key("q", C)
+    o = [fs_key(f"o{i}", g) for i, g in enumerate((B, C, B, C, A, A))]
+    q = fs_key("q", C)
     await _write_each(tier, buf, [*o, q])  # q evicts o0: group B gets a free row
     assert ix.lru_keys() == [*o[1:], q]  # the oldest keys are not of group A
-    x1, x2, y = _key("x1", A), _key("x2", A), _key("y", B)
+    x1, x2, y = fs_key("x1", A), fs_key("x2", A), fs_key("y", B)
     rig.hold_alloc = True
-    first = asyncio.ensure_future(tier.write_rows(_rows(buf, [x1])))
+    first = asyncio.ensure_future(tier.write_rows(key_rows(buf, [x1])))
     try:
         await until_set(rig.alloc_held)
-        second = asyncio.ensure_future(tier.write_rows(_rows(buf, [x2], first=1)))
+        second = asyncio.ensure_future(tier.write_rows(key_rows(buf, [x2], first=1)))
         await asyncio.sleep(0.02)  # x2 waits for A's growth too
-        assert await tier.write_rows(_rows(buf, [y], first=2)) == [None]  # evicts o1
+        assert await tier.write_rows(key_rows(buf, [y], first=2)) == [None]  # evicts o1
         tier.discard(x1)
         drain = asyncio.ensure_future(tier.drain())
         close = asyncio.ensure_future(tier.close())
@@ -443,9 +319,9 @@ async def test_slow_growth_with_concurrent_calls_discard_drain_and_close(tmp_pat
     keys = {o[4], o[5], q, y, x2}  # y evicted o1, x1 o2 (then discarded), x2 o3
     assert set(tier.keys()) == keys
     assert tier.stats()["evictions"] == 4
-    _states(ix)
-    found, st = await disk_full._reopened(root, EQ3, capacity_bytes=6 * ROW[A])
-    assert found == {k: _data(k) for k in keys}
+    check_settled_rows(ix)
+    found, st = await reopened(root, EQ3, capacity_bytes=6 * ROW[A])
+    assert found == {k: key_data(k) for k in keys}
     assert st["evictions"] == 0
 
 
@@ -463,20 +339,20 @@ async def test_full_tier_on_a_full_filesystem_evicts_its_own_groups_oldest_key_p
     open) and 12 (strict LRU). Then space comes back: one eviction per new row still, and
     with strict LRU the groups grow again and the least recently used key of all groups
     goes."""
-    holder: list[_GrowthRig] = []
+    holder: list[GrowthRig] = []
     rows = 96 if window > 1 else 12
     kw = _full_tier_kw(holder, rows, eviction_window=window, segment_nbytes=64 << 20)
-    tier = await _open(tmp_path / "nvme", EQ3, **kw)
+    tier = await open_tier(tmp_path / "nvme", EQ3, **kw)
     rig = holder[0]
     buf = slots(3, SLOT)
     rng = random.Random(window)
-    await _write_each(tier, buf, [_key(f"o{i}", (A, B, C)[i % 3]) for i in range(rows)])
+    await _write_each(tier, buf, [fs_key(f"o{i}", (A, B, C)[i % 3]) for i in range(rows)])
     assert tier.stats()["bytes_used"] == rows * ROW[A]
     n = 0
     for step in range(30):
         rig.full_errno = (errno.ENOSPC, errno.EDQUOT)[step % 2]
         ix = tier._index
-        keys = [_key(f"n{n + i}", rng.choice((A, B, C))) for i in range(rng.choice((1, 1, 2, 3)))]
+        keys = [fs_key(f"n{n + i}", rng.choice((A, B, C))) for i in range(rng.choice((1, 1, 2, 3)))]
         n += len(keys)
         lru = ix.lru_keys()
         expected: set[OffloadKey] = set()
@@ -484,7 +360,7 @@ async def test_full_tier_on_a_full_filesystem_evicts_its_own_groups_oldest_key_p
             own = [o for o in lru if o.group_id == k.group_id and o not in expected]
             expected.add(own[0])
         before = set(lru)
-        assert await tier.write_rows(_rows(buf, keys)) == [None] * len(keys)
+        assert await tier.write_rows(key_rows(buf, keys)) == [None] * len(keys)
         assert _gone(before, tier) == expected, step
         assert ix.bytes_used == rows * ROW[A]
     st = tier.stats()
@@ -494,17 +370,17 @@ async def test_full_tier_on_a_full_filesystem_evicts_its_own_groups_oldest_key_p
     allocs = rig.allocs
     for step in range(6):  # space is back: growth, and the global LRU key goes
         ix = tier._index
-        k = _key(f"back{step}", (A, B, C)[step % 3])
+        k = fs_key(f"back{step}", (A, B, C)[step % 3])
         lru = ix.lru_keys()
-        assert await tier.write_rows(_rows(buf, [k])) == [None]
+        assert await tier.write_rows(key_rows(buf, [k])) == [None]
         gone = _gone(set(lru), tier)
         assert len(gone) == 1
         if window == 1:
             assert gone == {lru[0]}
     assert rig.allocs > allocs or window > 1
     await tier.drain()
-    _states(tier._index)
-    assert all(data == _data(k) for k, data in (await _snapshot(tier)).items())
+    check_settled_rows(tier._index)
+    assert all(data == key_data(k) for k, data in (await fs_snapshot(tier)).items())
     await tier.close()
 
 
@@ -515,23 +391,17 @@ async def _punched_group_a(tier: NVMeTier, buf: Slots) -> None:
     """Group A's free rows punched (the workload moved to B past the disk budget), every
     free row of A without blocks (as in test_nvme_disk_full.py's punched-row test)."""
     ix = tier._index
-    hot = [_key(i, A) for i in range(3)]
-    await _write_each(tier, buf, [_key(i, A) for i in range(16)])
+    hot = [fs_key(i, A) for i in range(3)]
+    await _write_each(tier, buf, [fs_key(i, A) for i in range(16)])
     for i in range(24):
         for k in hot:
             assert await tier.read_rows([(k, buf[1])]) == [(0, 4)]
-        await _write_each(tier, buf, [_key(100 + i, B)])
+        await _write_each(tier, buf, [fs_key(100 + i, B)])
     for j in range(8):  # A's free rows that kept their blocks
         if ix.has_row(A):
-            await _write_each(tier, buf, [_key(300 + j, A)])
+            await _write_each(tier, buf, [fs_key(300 + j, A)])
     assert ix.free_rows(A) > 0
     assert not ix.has_row(A)
-
-
-def _row_blocks(tier: NVMeTier) -> int:
-    """Bytes of disk blocks of the tier's segment files, headers left out."""
-    paths = list(tier.directory.glob("g*/*.kvrows"))
-    return sum(p.stat().st_blocks * 512 for p in paths) - HEADER * len(paths)
 
 
 async def test_eio_allocating_a_punched_row_fails_that_key_only(tmpfs, slots) -> None:
@@ -542,41 +412,41 @@ async def test_eio_allocating_a_punched_row_fails_that_key_only(tmpfs, slots) ->
     index's held rows), no capacity leaks, and the next write of A allocates that row
     and succeeds."""
     mnt = tmpfs(1 << 20)
-    holder: list[_GrowthRig] = []
-    kw = {"capacity_bytes": 16 * ROW[A], "row_io_wrapper": _growth_rig(holder, wrap=True)}
-    tier = await _open(mnt / "nvme", {A: NB[A], B: NB[B]}, **kw)
+    holder: list[GrowthRig] = []
+    kw = {"capacity_bytes": 16 * ROW[A], "row_io_wrapper": growth_rig(holder, wrap=True)}
+    tier = await open_tier(mnt / "nvme", {A: NB[A], B: NB[B]}, **kw)
     rig = holder[0]
     ix = tier._index
     buf = slots(2, SLOT)
     await _punched_group_a(tier, buf)
-    assert _row_blocks(tier) == ix.held_nbytes
+    assert row_blocks(tier) == ix.held_nbytes
     tier.discard(next(k for k in ix.lru_keys() if k.group_id == B))  # room, no row of A
     for room in (True, False):
         if not room:
-            await _write_each(tier, buf, [_key("filler", B)])
+            await _write_each(tier, buf, [fs_key("filler", B)])
             assert ix.bytes_used == ix.capacity_bytes
             assert ix.lru_keys()[0].group_id == B  # room needs another group's key
         before, evictions = set(tier.keys()), ix.evictions
         free = ix.free_rows(A)
         rig.fill_faults = 1
-        x = _key(f"x{room}", A)
-        (res,) = await tier.write_rows(_rows(buf, [x]))
+        x = fs_key(f"x{room}", A)
+        (res,) = await tier.write_rows(key_rows(buf, [x]))
         assert rig.fill_failed == 1 + (not room)
         assert isinstance(res, StorageError)
         assert res.kind == "eio"
         assert (set(tier.keys()), ix.evictions) == (before, evictions)
         await tier.drain()
-        _states(ix)
+        check_settled_rows(ix)
         assert (ix.free_rows(A), ix.has_row(A)) == (free, False)
-        assert _row_blocks(tier) == ix.held_nbytes
-    y = _key("y", A)
-    assert await tier.write_rows(_rows(buf, [y])) == [None]
+        assert row_blocks(tier) == ix.held_nbytes
+    y = fs_key("y", A)
+    assert await tier.write_rows(key_rows(buf, [y])) == [None]
     assert tier.stats()["failures_eio"] == 2
     await tier.drain()
-    _states(ix)
+    check_settled_rows(ix)
     assert ix.held_nbytes <= ix.disk_budget_nbytes
-    assert _row_blocks(tier) == ix.held_nbytes
-    assert all(data == _data(k) for k, data in (await _snapshot(tier)).items())
+    assert row_blocks(tier) == ix.held_nbytes
+    assert all(data == key_data(k) for k, data in (await fs_snapshot(tier)).items())
     await tier.close()
 
 
@@ -588,17 +458,17 @@ async def test_punched_rows_on_a_filesystem_that_fills_and_frees_again(tmpfs, sl
     budget and match the index; a reopen finds exactly the visible keys."""
     mnt = tmpfs(1 << 20)
     root = mnt / "nvme"
-    tier = await _open(root, {A: NB[A], B: NB[B]}, capacity_bytes=16 * ROW[A])
+    tier = await open_tier(root, {A: NB[A], B: NB[B]}, capacity_bytes=16 * ROW[A])
     ix = tier._index
     buf = slots(4, SLOT)
     await _punched_group_a(tier, buf)
-    filler = _fill(mnt)
+    filler = fill_fs(mnt)
     tier.discard(next(k for k in ix.lru_keys() if k.group_id == B))  # room, no row of A
     for j in range(6):
         own = [k for k in ix.lru_keys() if k.group_id == A]
         before = set(tier.keys())
-        k = _key(f"full{j}", A)
-        assert await tier.write_rows(_rows(buf, [k])) == [None]
+        k = fs_key(f"full{j}", A)
+        assert await tier.write_rows(key_rows(buf, [k])) == [None]
         assert _gone(before, tier) == {own[0]}, j  # room or not: A's oldest key
     assert tier.stats()["failures_enospc"] == 0
     filler.unlink()
@@ -607,17 +477,17 @@ async def test_punched_rows_on_a_filesystem_that_fills_and_frees_again(tmpfs, sl
     assert not ix.has_row(A)
     full = tier.stats()["disk_full_evictions"]
     for j in range(holes):  # capacity evictions again, no disk-full ones
-        assert await tier.write_rows(_rows(buf, [_key(f"back{j}", A)])) == [None]
+        assert await tier.write_rows(key_rows(buf, [fs_key(f"back{j}", A)])) == [None]
     await tier.drain()
     st = tier.stats()
     assert st["disk_full_evictions"] == full
-    _states(ix)
+    check_settled_rows(ix)
     assert ix.held_nbytes <= ix.disk_budget_nbytes
-    assert _row_blocks(tier) == ix.held_nbytes
-    snap = await _snapshot(tier)
-    assert all(data == _data(k) for k, data in snap.items())
+    assert row_blocks(tier) == ix.held_nbytes
+    snap = await fs_snapshot(tier)
+    assert all(data == key_data(k) for k, data in snap.items())
     await tier.close()
-    found, st2 = await disk_full._reopened(root, {A: NB[A], B: NB[B]}, capacity_bytes=16 * ROW[A])
+    found, st2 = await reopened(root, {A: NB[A], B: NB[B]}, capacity_bytes=16 * ROW[A])
     assert found == snap
     assert st2["evictions"] == 0
 
@@ -638,11 +508,11 @@ async def test_concurrent_deferred_writes_never_leave_more_valid_rows_than_capac
     budget, every key reads its last written bytes, reads in flight got their bytes;
     only 'eio' (injected), 'capacity' (rows in flight) and 'enospc' (a group with nothing
     to take) fail."""
-    holder: list[_GrowthRig] = []
+    holder: list[GrowthRig] = []
     groups = {**UNEQUAL, A: NB[A]}
     cap = (24 if window == 1 else 80) * ROW[SMALL]
-    kw = {"capacity_bytes": cap, "row_io_wrapper": _growth_rig(holder), "eviction_window": window}
-    tier = await _open(tmp_path / "nvme", groups, grow_ahead=window > 1, **kw)
+    kw = {"capacity_bytes": cap, "row_io_wrapper": growth_rig(holder), "eviction_window": window}
+    tier = await open_tier(tmp_path / "nvme", groups, grow_ahead=window > 1, **kw)
     rig = holder[0]
     rig.watch = tier.directory
     rig.alloc_delay = 0.002
@@ -669,14 +539,14 @@ async def test_concurrent_deferred_writes_never_leave_more_valid_rows_than_capac
                         continue
                     salt[k] += 1
                 else:
-                    k = _key(f"w{n}", rng.choice([BIG, SMALL, SMALL, A]))
+                    k = fs_key(f"w{n}", rng.choice([BIG, SMALL, SMALL, A]))
                     n += 1
                     salt[k] = 0
                 if rng.random() < 0.05:
-                    rig.fail.add(_tag(k))
+                    rig.fail.add(trailer_tag(k))
                 taken.add(k)
                 keys.append(k)
-            calls.append((keys, tier.write_rows(_rows(buf, keys, salt, first=slot))))
+            calls.append((keys, tier.write_rows(key_rows(buf, keys, salt, first=slot))))
             slot += len(keys)
         oldest = [k for k in lru[:4] if k not in taken]
         reads = [tier.read_rows([(k, buf[40 + i])]) for i, k in enumerate(oldest)]
@@ -692,7 +562,7 @@ async def test_concurrent_deferred_writes_never_leave_more_valid_rows_than_capac
                     good[k] = salt[k]
                     continue
                 assert isinstance(r, StorageError)
-                injected = any(_tag(x) in rig.fail for x in keys)  # in its request
+                injected = any(trailer_tag(x) in rig.fail for x in keys)  # in its request
                 assert r.kind in ("capacity", "enospc") or (r.kind == "eio" and injected), r
                 kinds[r.kind] = kinds.get(r.kind, 0) + 1
         for i, (k, got) in enumerate(zip(oldest, outs[len(calls) :], strict=True)):
@@ -700,23 +570,23 @@ async def test_concurrent_deferred_writes_never_leave_more_valid_rows_than_capac
             if isinstance(r, BaseException):
                 assert getattr(r, "kind", "") == "missing", r
             else:
-                assert bytes(buf[40 + i][: NB[k.group_id]]) == _data(k, good[k]), k
+                assert bytes(buf[40 + i][: NB[k.group_id]]) == key_data(k, good[k]), k
         await tier.drain()
         # a lone key (nothing else in flight: no slack between reserved and written rows)
-        k = _key(f"w{n}", rng.choice([BIG, SMALL, A]))
+        k = fs_key(f"w{n}", rng.choice([BIG, SMALL, A]))
         n += 1
         salt[k] = 0
-        (r,) = await tier.write_rows(_rows(buf, [k]))
+        (r,) = await tier.write_rows(key_rows(buf, [k]))
         if r is None:
             good[k] = 0
         else:
             assert isinstance(r, StorageError)
             assert r.kind == "enospc", r  # its group has no key to take
         await tier.drain()  # a growth ahead it started
-        _states(ix)
+        check_settled_rows(ix)
         assert ix.held_nbytes <= ix.disk_budget_nbytes
-        for k, data in (await _snapshot(tier)).items():
-            assert data == _data(k, good[k]), k
+        for k, data in (await fs_snapshot(tier)).items():
+            assert data == key_data(k, good[k]), k
         assert rig.worst <= cap, f"{rig.worst} bytes of valid rows on disk > {cap}"
     st = tier.stats()
     await tier.close()
@@ -742,15 +612,15 @@ async def _crash_child(root: str, log_path: str) -> None:
     before its write, each discard, the visible keys after each flush, and ``BAD`` if a
     row write ever left more valid rows on disk than capacity_bytes or a read got
     wrong bytes."""
-    holder: list[_GrowthRig] = []
+    holder: list[GrowthRig] = []
     tier = NVMeTier(
-        **_kw(
+        **groups_kwargs(
             root,
             CRASH_GROUPS,
             capacity_bytes=CRASH_CAP,
             grow_ahead=False,
             eviction_window=1,
-            row_io_wrapper=_growth_rig(holder),
+            row_io_wrapper=growth_rig(holder),
         )
     )
     await tier.open()
@@ -780,7 +650,7 @@ async def _crash_child(root: str, log_path: str) -> None:
                         n += 1
                         salt[k] = 0
                     if rng.random() < 0.04:
-                        rig.fail.add(_tag(k))
+                        rig.fail.add(trailer_tag(k))
                     taken.add(k)
                     keys.append(k)
                     log.write(json.dumps({"w": [k.block_hash.decode(), k.group_id, salt[k]]}))
@@ -790,7 +660,7 @@ async def _crash_child(root: str, log_path: str) -> None:
             lru = tier._index.lru_keys()
             oldest = [k for k in lru[:3] if k not in taken and k in good]
             writes = [
-                tier.write_rows(_rows(buf, ks, salt, first=5 * i)) for i, ks in enumerate(calls)
+                tier.write_rows(key_rows(buf, ks, salt, first=5 * i)) for i, ks in enumerate(calls)
             ]
             reads = [tier.read_rows([(k, buf[20 + i])]) for i, k in enumerate(oldest)]
             if lru and rng.random() < 0.2:
@@ -808,7 +678,7 @@ async def _crash_child(root: str, log_path: str) -> None:
                 (r,) = got
                 if not isinstance(r, BaseException) and bytes(
                     buf[20 + i][: NB[k.group_id]]
-                ) != _data(k, good[k]):
+                ) != key_data(k, good[k]):
                     log.write(json.dumps({"BAD": f"read {k}"}) + "\n")
             if rig.worst > CRASH_CAP:
                 log.write(json.dumps({"BAD": f"{rig.worst} valid bytes on disk"}) + "\n")
@@ -840,10 +710,10 @@ def test_sigkill_during_late_reservations_and_disk_full_evictions(tmp_path) -> N
             if "w" in e:
                 h, g, s = e["w"]
                 allowed.setdefault((h, g), set()).add(s)
-        _, st = asyncio.run(disk_full._reopened(root, CRASH_GROUPS, capacity_bytes=CRASH_CAP))
+        _, st = asyncio.run(reopened(root, CRASH_GROUPS, capacity_bytes=CRASH_CAP))
         assert st["evictions"] == 0, "valid rows on disk exceed capacity_bytes"
-        found, _ = asyncio.run(disk_full._reopened(root, CRASH_GROUPS))
-        checked += check_found(found, allowed, _data)
+        found, _ = asyncio.run(reopened(root, CRASH_GROUPS))
+        checked += check_found(found, allowed, key_data)
     assert checked > 10
 
 
@@ -860,12 +730,12 @@ async def test_ext4_a_punched_row_that_only_partly_fits_gives_its_blocks_back(ex
     mnt = ext4(8 << 20)
     root = mnt / "nvme"
     groups = {A: NB[A], B: NB[B]}
-    tier = await _open(root, groups, capacity_bytes=16 * ROW[A])
+    tier = await open_tier(root, groups, capacity_bytes=16 * ROW[A])
     ix = tier._index
     buf = slots(2, SLOT)
     await _punched_group_a(tier, buf)
     await tier.flush()
-    filler = _fill(mnt)
+    filler = fill_fs(mnt)
     with open(filler, "r+b") as f:  # give one block back
         f.truncate(filler.stat().st_size - 4096)
     os.sync()
@@ -873,8 +743,8 @@ async def test_ext4_a_punched_row_that_only_partly_fits_gives_its_blocks_back(ex
     tier.discard(next(k for k in ix.lru_keys() if k.group_id == B))  # room, no row of A
     own = [k for k in ix.lru_keys() if k.group_id == A]
     before = set(tier.keys())
-    x = _key("x", A)
-    assert await tier.write_rows(_rows(buf, [x])) == [None]
+    x = fs_key("x", A)
+    assert await tier.write_rows(key_rows(buf, [x])) == [None]
     assert _gone(before, tier) == {own[0]}
     await tier.flush()
     os.sync()
@@ -890,10 +760,10 @@ async def test_ext4_a_punched_row_that_only_partly_fits_gives_its_blocks_back(ex
         spec = tier._specs[A]
         holes = set(files._rows_without_blocks(spec, (size - HEADER) // spec.row_nbytes, extents))
         assert {r.row for r in holed if r.segment == seg} <= holes
-    snap = await _snapshot(tier)
-    assert all(data == _data(k) for k, data in snap.items())
+    snap = await fs_snapshot(tier)
+    assert all(data == key_data(k) for k, data in snap.items())
     await tier.close()
-    found, st = await disk_full._reopened(root, groups, capacity_bytes=16 * ROW[A])
+    found, st = await reopened(root, groups, capacity_bytes=16 * ROW[A])
     assert found == snap
     assert st["invalid_rows_at_open"] == 0
 
@@ -915,21 +785,21 @@ async def test_one_groups_growth_step_never_takes_a_small_filesystem_from_anothe
     tmpfs, slots, grow_ahead
 ) -> None:
     mnt = tmpfs((1 << 20) + 4096)  # one step of group B (127 rows) and its header fit, no row more
-    tier = await _open(mnt / "nvme", {A: NB[A], B: NB[B]}, capacity_bytes=16 << 20,
+    tier = await open_tier(mnt / "nvme", {A: NB[A], B: NB[B]}, capacity_bytes=16 << 20,
                        grow_ahead=grow_ahead)  # fmt: skip
     buf = slots(2, SLOT)
     failed = []
     for i in range(120):  # B first; then both, until the filesystem is full and past it
         for g in (B, A) if i else (B,):
-            (got,) = await tier.write_rows(_rows(buf, [_key(i, g)]))
+            (got,) = await tier.write_rows(key_rows(buf, [fs_key(i, g)]))
             if got is not None:
                 failed.append((g, got))
     st = tier.stats()
     keys = tier.keys()
     held = {g: sum(k.group_id == g for k in keys) for g in (A, B)}
-    snap = await _snapshot(tier)
+    snap = await fs_snapshot(tier)
     await tier.close()
     assert failed == []
     assert st["disk_full_evictions"] > 0  # the filesystem did fill up
     assert min(held.values()) >= 40, held  # each group holds about half of it
-    assert all(data == _data(k) for k, data in snap.items())
+    assert all(data == key_data(k) for k, data in snap.items())

@@ -26,7 +26,7 @@ while keyless groups punch with growth ahead on.
 
 Real seams only: small real tmpfs and ext4 loop mounts (root only; skipped
 elsewhere), another tenant that fills and frees the filesystem from the test,
-``row_io_wrapper`` RowIO wrappers (the ``_PunchRig`` of test_nvme_keyless_punch.py: wrapped segment
+``row_io_wrapper`` RowIO wrappers (the ``PunchRig`` of test_nvme_keyless_punch.py: wrapped segment
 handles whose ``fd`` fails when ``_files._punch_hole`` asks for it; here also
 an EIO of the growth after a punch, and of blanking trailer writes), and a
 real child process killed with SIGKILL. Every wait is bounded
@@ -55,37 +55,27 @@ from kvtier import OffloadKey
 from kvtier.io import NVMeTier, RowIO
 
 from ..io.conftest import Slots
-from . import test_nvme_disk_full as disk_full
 from ._faultio import kill_child, rig_factory
-from .test_nvme_disk_full import (
+from .full_fs import (
     BIG,
     MID,
     NB,
+    ROW,
     SLOT,
     SMALL,
     TRAILER,
     A,
     B,
-    _data,
-    _key,
-    _kw,
-    _reopened,
-    _rows,
-    _snapshot,
-    _states,
+    error_kinds,
+    fs_key,
+    fs_snapshot,
+    groups_kwargs,
+    key_data,
+    key_rows,
+    reopened,
 )
-from .test_nvme_keyless_punch import (
-    FS,
-    _fill_with_a,
-    _kinds,
-    _PunchRig,
-    _reopened_copy,
-    _row_blocks,
-)
-from .test_nvme_late_reservation import _open
-
-tmpfs = disk_full.tmpfs  # a real tmpfs / ext4 loop mount of a given size (root only)
-ext4 = disk_full.ext4
+from .growth_rig import FS, PunchRig, fill_with_a, open_tier, reopened_copy, row_blocks
+from .row_states import check_settled_rows
 
 C = MID
 ALL = {A: NB[A], B: NB[B], C: NB[C], BIG: NB[BIG], SMALL: NB[SMALL]}
@@ -120,8 +110,8 @@ class _Tenant:
             self.files.pop(random.randrange(len(self.files))).unlink()
 
 
-class _EioRig(_PunchRig):
-    """The ``_PunchRig`` rig, plus: ``grow_eio``: the next growth (``allocate``) after a punch
+class _EioRig(PunchRig):
+    """The ``PunchRig`` rig, plus: ``grow_eio``: the next growth (``allocate``) after a punch
     fails with EIO; ``trailer_faults``: blanking trailer writes that fail with EIO."""
 
     def __init__(self, inner: RowIO) -> None:
@@ -157,7 +147,7 @@ def _check_found(
     for k, data in found.items():
         assert k in written, k
         if data is not None:
-            assert any(data == _data(k, s) for s in written[k]), k
+            assert any(data == key_data(k, s) for s in written[k]), k
             ok += 1
     return ok
 
@@ -167,7 +157,7 @@ async def _open_with_eio_rig(
 ) -> tuple[NVMeTier, _EioRig]:
     """A tier (capacity_bytes 16 MiB) with the ``_EioRig`` rig; the rig."""
     holder: list[_EioRig] = []
-    tier = await _open(root, groups, capacity_bytes=16 << 20, row_io_wrapper=_eio_rig(holder))
+    tier = await open_tier(root, groups, capacity_bytes=16 << 20, row_io_wrapper=_eio_rig(holder))
     return tier, holder[0]
 
 
@@ -215,22 +205,22 @@ async def test_after_a_reopen_on_tmpfs_the_files_hold_no_more_than_the_disk_budg
     root = mnt / "nvme"
     groups = {A: NB[A], B: NB[B]}
     cap = 1 << 20
-    tier = await _open(root, groups, capacity_bytes=cap, grow_ahead=True)
+    tier = await open_tier(root, groups, capacity_bytes=cap, grow_ahead=True)
     buf = slots(2, SLOT)
     for i in range(9):
-        assert await tier.write_rows(_rows(buf, [_key(i, A)])) == [None]
+        assert await tier.write_rows(key_rows(buf, [fs_key(i, A)])) == [None]
     await asyncio.wait_for(tier.drain(), 20)
-    assert _row_blocks(tier) <= tier._index.disk_budget_nbytes
+    assert row_blocks(tier) <= tier._index.disk_budget_nbytes
     await tier.close()
-    tier = await _open(root, groups, capacity_bytes=cap, grow_ahead=True)
+    tier = await open_tier(root, groups, capacity_bytes=cap, grow_ahead=True)
     try:
-        assert _row_blocks(tier) == tier._index.held_nbytes  # the open punched the rest
+        assert row_blocks(tier) == tier._index.held_nbytes  # the open punched the rest
         for i in range(300):
-            assert await tier.write_rows(_rows(buf, [_key(f"b{i}", B)])) == [None]
+            assert await tier.write_rows(key_rows(buf, [fs_key(f"b{i}", B)])) == [None]
         await asyncio.wait_for(tier.drain(), 20)
         ix = tier._index
         assert ix.held_nbytes <= ix.disk_budget_nbytes  # what the index believes
-        real = _row_blocks(tier)
+        real = row_blocks(tier)
         assert real <= ix.disk_budget_nbytes, (real, ix.held_nbytes, ix.disk_budget_nbytes)
     finally:
         await tier.close()
@@ -256,13 +246,13 @@ async def test_many_groups_with_growth_ahead_on_a_filling_and_freeing_filesystem
     mnt = request.getfixturevalue(fs)(2 << 20 if fs == "tmpfs" else 8 << 20)
     root = mnt / "nvme"
     rng = random.Random(16)
-    tier = await _open(root, ALL, capacity_bytes=1 << 20)
+    tier = await open_tier(root, ALL, capacity_bytes=1 << 20)
     buf = slots(40, SLOT)
     written: dict[OffloadKey, set[int]] = {}
     salt: dict[OffloadKey, int] = {}
 
     def new(name: str, g: int) -> OffloadKey:
-        k = _key(name, g)
+        k = fs_key(name, g)
         salt[k] = 0
         written.setdefault(k, set()).add(0)
         return k
@@ -271,10 +261,10 @@ async def test_many_groups_with_growth_ahead_on_a_filling_and_freeing_filesystem
     try:
         for i in range(40):
             k = new(f"a{i}", A)
-            assert await tier.write_rows(_rows(buf, [k], salt)) == [None]
+            assert await tier.write_rows(key_rows(buf, [k], salt)) == [None]
         await tier.close()
         tenant.fill()
-        tier = await _open(root, ALL, capacity_bytes=1 << 20, grow_ahead=True)
+        tier = await open_tier(root, ALL, capacity_bytes=1 << 20, grow_ahead=True)
         assert all(not tier._index.segments(g) for g in ALL if g != A)  # keyless, no rows
         kinds: list[str | None] = []
         names = itertools.count()
@@ -284,7 +274,7 @@ async def test_many_groups_with_growth_ahead_on_a_filling_and_freeing_filesystem
                 keys = _call_keys(rng, salt, g, 0.25, lambda g: new(f"r{next(names)}", g))
                 for k in keys:
                     written[k].add(salt[k])
-                calls.append(tier.write_rows(_rows(buf, keys, salt, first=4 * c)))
+                calls.append(tier.write_rows(key_rows(buf, keys, salt, first=4 * c)))
             resident = list(tier.keys())
             reads = rng.sample(resident, min(6, len(resident)))
             read = tier.read_rows([(k, buf[24 + i]) for i, k in enumerate(reads)])
@@ -299,21 +289,21 @@ async def test_many_groups_with_growth_ahead_on_a_filling_and_freeing_filesystem
             for i, (k, got) in enumerate(zip(reads, outs[0], strict=True)):
                 if got == (0, 4):
                     data = bytes(buf[24 + i][: NB[k.group_id]])
-                    assert any(data == _data(k, s) for s in written[k]), k
+                    assert any(data == key_data(k, s) for s in written[k]), k
                 else:
-                    assert _kinds([got])[0] == "missing", got  # discarded or evicted
+                    assert error_kinds([got])[0] == "missing", got  # discarded or evicted
             for out in outs[1 : 1 + len(ALL)]:
-                kinds += _kinds(out)
+                kinds += error_kinds(out)
         assert set(kinds) <= {None, "enospc"}, kinds
         assert kinds.count(None) > len(kinds) // 2, kinds
         await asyncio.wait_for(tier.drain(), 30)
-        _states(tier._index)
-        snap = await asyncio.wait_for(_snapshot(tier), 30)
+        check_settled_rows(tier._index)
+        snap = await asyncio.wait_for(fs_snapshot(tier), 30)
         assert _check_found(snap, written) == len(snap)
         assert {k.group_id for k in snap} == set(ALL)  # every group stored rows
     finally:
         await asyncio.wait_for(tier.close(), 30)
-    found, st = await asyncio.wait_for(_reopened(root, ALL), 30)
+    found, st = await asyncio.wait_for(reopened(root, ALL), 30)
     assert found == snap
     assert st["invalid_rows_at_open"] == 0
 
@@ -330,26 +320,26 @@ async def test_an_eio_of_the_growth_inside_a_punch_round_stops_the_rounds(tmpfs,
     tier, rig = await _open_with_eio_rig(root, groups)
     buf = slots(2, SLOT)
     try:
-        held_a = await _fill_with_a(tier, buf)
+        held_a = await fill_with_a(tier, buf)
         rig.grow_eio = True
-        got = await asyncio.wait_for(tier.write_rows(_rows(buf, [_key("b0", B)])), 20)
+        got = await asyncio.wait_for(tier.write_rows(key_rows(buf, [fs_key("b0", B)])), 20)
         assert rig.grow_failed == 1
-        assert _kinds(got) == ["eio"]  # the growth's own error, not the first one's (enospc)
+        assert error_kinds(got) == ["eio"]  # the growth's own error, not the first one's (enospc)
         gone = [k for k in held_a if k not in set(tier.keys())]
         assert gone == held_a[:2]
         assert tier._punch_misses == 0
         assert tier._punch_frees
         assert not list(tier.directory.glob(f"g{B}/*"))  # no segment file, no temp file
-        _states(tier._index)
-        got = await asyncio.wait_for(tier.write_rows(_rows(buf, [_key("b1", B)])), 20)
-        assert _kinds(got) == [None]
-        _states(tier._index)
-        snap = await _snapshot(tier)
-        assert all(data == _data(k) for k, data in snap.items())
-        assert _key("b1", B) in snap
+        check_settled_rows(tier._index)
+        got = await asyncio.wait_for(tier.write_rows(key_rows(buf, [fs_key("b1", B)])), 20)
+        assert error_kinds(got) == [None]
+        check_settled_rows(tier._index)
+        snap = await fs_snapshot(tier)
+        assert all(data == key_data(k) for k, data in snap.items())
+        assert fs_key("b1", B) in snap
     finally:
         await tier.close()
-    found, _ = await _reopened(root, groups)
+    found, _ = await reopened(root, groups)
     assert found == snap
 
 
@@ -370,32 +360,32 @@ async def test_an_eio_of_the_trailer_write_after_a_failed_punch_never_gives_wron
     buf = slots(2, SLOT)
     written = {}
     try:
-        held_a = await _fill_with_a(tier, buf)
+        held_a = await fill_with_a(tier, buf)
         written = {k: {0} for k in held_a}
         rig.punch_faults, rig.trailer_faults = 1, 1
-        b = _key("b0", B)
+        b = fs_key("b0", B)
         written[b] = {0}
-        got = await asyncio.wait_for(tier.write_rows(_rows(buf, [b])), 20)
-        assert _kinds(got) == [None]
+        got = await asyncio.wait_for(tier.write_rows(key_rows(buf, [b])), 20)
+        assert error_kinds(got) == [None]
         assert rig.trailer_faults == 0
         assert rig.punch_faults == 0
         assert tier.stats()["reclaim_failures"] == 1
         gone = [k for k in held_a if k not in set(tier.keys())]
         assert gone == held_a[:4]
-        _states(tier._index)
-        found, _ = await _reopened_copy(tier, root, groups)
+        check_settled_rows(tier._index)
+        found, _ = await reopened_copy(tier, root, groups)
         assert _check_found(found, written) == len(found)
         assert b in found
         for i in range(3):
-            k = _key(f"again{i}", A)
+            k = fs_key(f"again{i}", A)
             written[k] = {0}
-            assert await asyncio.wait_for(tier.write_rows(_rows(buf, [k])), 20) == [None]
-        _states(tier._index)
-        snap = await _snapshot(tier)
+            assert await asyncio.wait_for(tier.write_rows(key_rows(buf, [k])), 20) == [None]
+        check_settled_rows(tier._index)
+        snap = await fs_snapshot(tier)
         assert _check_found(snap, written) == len(snap)
     finally:
         await tier.close()
-    found, st = await _reopened(root, groups)
+    found, st = await reopened(root, groups)
     assert found == snap
     assert st["invalid_rows_at_open"] == 0
 
@@ -413,20 +403,20 @@ async def test_a_keyless_row_waiting_on_the_punch_lock_while_growth_ahead_holds_
     root = mnt / "nvme"
     holder: list[_EioRig] = []
     groups = {A: NB[A], B: NB[B], C: NB[C]}
-    tier = await _open(
+    tier = await open_tier(
         root, groups, capacity_bytes=16 << 20, grow_ahead=True, row_io_wrapper=_eio_rig(holder)
     )
     rig = holder[0]
     buf = slots(8, SLOT)
     try:
-        await _fill_with_a(tier, buf)
+        await fill_with_a(tier, buf)
         rig.hold_punch = True
-        wb = asyncio.ensure_future(tier.write_rows(_rows(buf, [_key("b", B)])))
+        wb = asyncio.ensure_future(tier.write_rows(key_rows(buf, [fs_key("b", B)])))
         assert await asyncio.to_thread(rig.punch_held.wait, 10)
         assert tier._punch_lock.locked()
-        wc = asyncio.ensure_future(tier.write_rows(_rows(buf, [_key("c", C)], first=1)))
+        wc = asyncio.ensure_future(tier.write_rows(key_rows(buf, [fs_key("c", C)], first=1)))
         wa = asyncio.ensure_future(
-            tier.write_rows(_rows(buf, [_key(f"late{i}", A) for i in range(3)], first=2))
+            tier.write_rows(key_rows(buf, [fs_key(f"late{i}", A) for i in range(3)], first=2))
         )
         flush = asyncio.ensure_future(tier.flush())
         drain = asyncio.ensure_future(tier.drain())
@@ -436,15 +426,15 @@ async def test_a_keyless_row_waiting_on_the_punch_lock_while_growth_ahead_holds_
         rig.punch_release.set()
         gb, gc, ga = await asyncio.wait_for(asyncio.gather(wb, wc, wa), 30)
         await asyncio.wait_for(asyncio.gather(flush, drain), 30)
-        assert _kinds(gb) == [None]
-        assert _kinds(gc)[0] in (None, "enospc")
-        assert _kinds(ga) == [None] * 3
-        _states(tier._index)
-        snap = await _snapshot(tier)
-        assert all(data == _data(k) for k, data in snap.items())
+        assert error_kinds(gb) == [None]
+        assert error_kinds(gc)[0] in (None, "enospc")
+        assert error_kinds(ga) == [None] * 3
+        check_settled_rows(tier._index)
+        snap = await fs_snapshot(tier)
+        assert all(data == key_data(k) for k, data in snap.items())
     finally:
         await asyncio.wait_for(tier.close(), 30)
-    found, _ = await _reopened(root, groups)
+    found, _ = await reopened(root, groups)
     assert found == snap
 
 
@@ -460,7 +450,7 @@ async def _crash_child(root: str, log_path: str) -> None:
     on, then rounds of concurrent writes of every group (new keys and rewrites; keyless
     groups punch A's rows), reads of resident keys, a discard and a flush now and then;
     each key logged (with its salt) before its write."""
-    tier = NVMeTier(**_kw(root, CRASH_GROUPS, capacity_bytes=1 << 20, grow_ahead=False))
+    tier = NVMeTier(**groups_kwargs(root, CRASH_GROUPS, capacity_bytes=1 << 20, grow_ahead=False))
     await tier.open()
     buf = Slots(40, SLOT)
     rng = random.Random(os.getpid())
@@ -473,20 +463,22 @@ async def _crash_child(root: str, log_path: str) -> None:
 
         def fresh(g: int) -> OffloadKey:
             nonlocal n
-            k = _key(f"{os.getpid()}-{n}", g)
+            k = fs_key(f"{os.getpid()}-{n}", g)
             n += 1
             salt[k] = 0
             return k
 
         while tier.stats()["disk_full_evictions"] == 0:
-            k = _key(f"{os.getpid()}-a{n}", A)
+            k = fs_key(f"{os.getpid()}-a{n}", A)
             n += 1
             salt[k] = 0
             logged(k)
             log.flush()
-            await tier.write_rows(_rows(buf, [k], salt))
+            await tier.write_rows(key_rows(buf, [k], salt))
         await tier.close()  # reopened full: growth ahead of the other groups fails at open
-        tier = NVMeTier(**_kw(root, CRASH_GROUPS, capacity_bytes=1 << 20, grow_ahead=True))
+        tier = NVMeTier(
+            **groups_kwargs(root, CRASH_GROUPS, capacity_bytes=1 << 20, grow_ahead=True)
+        )
         await tier.open()
         print("ready", flush=True)
         while True:
@@ -495,7 +487,7 @@ async def _crash_child(root: str, log_path: str) -> None:
                 keys = _call_keys(rng, salt, g, 0.2, fresh)
                 for k in keys:
                     logged(k)
-                calls.append(tier.write_rows(_rows(buf, keys, salt, first=4 * c)))
+                calls.append(tier.write_rows(key_rows(buf, keys, salt, first=4 * c)))
             log.flush()
             mine = list(tier.keys())[:8]
             reads = tier.read_rows([(k, buf[24 + i]) for i, k in enumerate(mine)])
@@ -528,21 +520,21 @@ def test_sigkill_while_keyless_groups_punch_with_growth_ahead(tmpfs, tmp_path) -
             written.setdefault(OffloadKey(h.encode(), g), set()).add(s)
 
         async def check(it: int = it) -> int:
-            tier = await _open(root, CRASH_GROUPS, capacity_bytes=1 << 20)
+            tier = await open_tier(root, CRASH_GROUPS, capacity_bytes=1 << 20)
             try:
-                _states(tier._index)
-                found = await asyncio.wait_for(_snapshot(tier), 30)
+                check_settled_rows(tier._index)
+                found = await asyncio.wait_for(fs_snapshot(tier), 30)
                 ok = _check_found(found, written)
-                valid = sum(disk_full.ROW[k.group_id] for k, d in found.items() if d is not None)
+                valid = sum(ROW[k.group_id] for k, d in found.items() if d is not None)
                 assert valid <= 640 << 10
                 buf = Slots(1, SLOT)
                 out = []
                 for g in CRASH_GROUPS:
-                    k = _key(f"x{it}", g)
+                    k = fs_key(f"x{it}", g)
                     written.setdefault(k, set()).add(0)
-                    out += await asyncio.wait_for(tier.write_rows(_rows(buf, [k])), 20)
+                    out += await asyncio.wait_for(tier.write_rows(key_rows(buf, [k])), 20)
                 buf.close()
-                assert _kinds(out) == [None] * len(CRASH_GROUPS)
+                assert error_kinds(out) == [None] * len(CRASH_GROUPS)
                 return ok
             finally:
                 await asyncio.wait_for(tier.close(), 30)

@@ -35,40 +35,35 @@ from kvtier import OffloadKey
 from kvtier.io import NVMeTier
 
 from ..io.conftest import Slots
-from . import test_nvme_disk_full as disk_full
 from ._faultio import kill_child
 from ._model import Gpu, chunks_for, engine_config, load_check, nvme_config, store_ok
 from ._model import key as model_key
-from .test_nvme_disk_full import (
+from .full_fs import (
     BIG,
+    MID,
     NB,
     SLOT,
     SMALL,
     A,
     B,
-    _data,
-    _fill,
-    _free_nbytes,
-    _key,
-    _kw,
-    _reopened,
-    _rows,
-    _snapshot,
-    _states,
+    error_kinds,
+    fill_fs,
+    free_nbytes,
+    fs_key,
+    fs_snapshot,
+    groups_kwargs,
+    key_data,
+    key_rows,
+    reopened,
 )
-from .test_nvme_late_reservation import _growth_rig, _GrowthRig, _open
+from .growth_rig import GrowthRig, growth_rig, open_tier
+from .row_states import check_settled_rows
 
-tmpfs = disk_full.tmpfs  # a real tmpfs of a given size (root only)
-
-C = disk_full.MID
+C = MID
 FIVE = {g: NB[g] for g in (BIG, SMALL, C, A, B)}  # rows of 40, 8, 8, 8 and 8 KiB
 # capacity_bytes / (4 x 5 groups) = 640 KiB: a step of 80 rows of 8 KiB or 16 rows of 40 KiB
 FIVE_CAP = 12800 << 10
 FIVE_FILE = (640 + 4) << 10  # a first segment file: one step and its 4 KiB header
-
-
-def _kinds(results: list[BaseException | None]) -> list[str | None]:
-    return disk_full._kinds(results)
 
 
 # =============================================================== regressions
@@ -89,20 +84,22 @@ async def test_a_group_that_starts_after_another_filled_the_filesystem_takes_its
 ) -> None:
     mnt = tmpfs((1 << 20) + 4096)
     root = mnt / "nvme"
-    tier = await _open(root, {A: NB[A], B: NB[B]}, capacity_bytes=16 << 20, grow_ahead=grow_ahead)
+    tier = await open_tier(
+        root, {A: NB[A], B: NB[B]}, capacity_bytes=16 << 20, grow_ahead=grow_ahead
+    )
     buf = slots(8, SLOT)
-    a_keys = [_key(i, A) for i in range(140)]
+    a_keys = [fs_key(i, A) for i in range(140)]
     for k in a_keys:  # group A alone: about 127 rows fit, then it reuses its oldest keys
-        assert await tier.write_rows(_rows(buf, [k])) == [None]
+        assert await tier.write_rows(key_rows(buf, [k])) == [None]
     assert tier.stats()["disk_full_evictions"] > 0  # the filesystem is full of A's keys
     held_a = [k for k in a_keys if k in set(tier.keys())]
 
     async def write_b(prefix: str) -> list[OffloadKey]:
-        keys = [_key(f"{prefix}{i}", B) for i in range(8)]
+        keys = [fs_key(f"{prefix}{i}", B) for i in range(8)]
         got: list[BaseException | None] = []
         for i in range(0, 8, per_call):
-            got += await tier.write_rows(_rows(buf, keys[i : i + per_call]))
-        assert _kinds(got) == [None] * 8, _kinds(got)  # not all 'enospc'
+            got += await tier.write_rows(key_rows(buf, keys[i : i + per_call]))
+        assert error_kinds(got) == [None] * 8, error_kinds(got)  # not all 'enospc'
         return keys
 
     late = await write_b("b")
@@ -112,25 +109,27 @@ async def test_a_group_that_starts_after_another_filled_the_filesystem_takes_its
     assert lost_a
     assert lost_a == held_a[: len(lost_a)]  # A's OLDEST keys went, in LRU order
     assert tier._index.held_nbytes <= (1 << 20) + 4096  # punched rows hold no blocks
-    _states(tier._index)
-    snap = await _snapshot(tier)
+    check_settled_rows(tier._index)
+    snap = await fs_snapshot(tier)
     await tier.close()
-    assert all(data == _data(k) for k, data in snap.items())
-    tier = await _open(root, {A: NB[A], B: NB[B]}, capacity_bytes=16 << 20, grow_ahead=grow_ahead)
+    assert all(data == key_data(k) for k, data in snap.items())
+    tier = await open_tier(
+        root, {A: NB[A], B: NB[B]}, capacity_bytes=16 << 20, grow_ahead=grow_ahead
+    )
     assert set(tier.keys()) == keys  # the punched rows came back as free space, nothing more
     again = await write_b("c")
     assert set(again[-per_call:]) <= set(tier.keys())
     # A writes again: the rows punched for B are free rows of A, which tmpfs (no FIEMAP) does
     # not tell from rows with blocks; found at open by lseek(SEEK_DATA), they are allocated
     # before a write (else every write of A into one failed with 'short_write')
-    a_new = [_key(f"a{i}", A) for i in range(12)]
-    got = [(await tier.write_rows(_rows(buf, [k])))[0] for k in a_new]
-    assert _kinds(got) == [None] * 12, _kinds(got)
+    a_new = [fs_key(f"a{i}", A) for i in range(12)]
+    got = [(await tier.write_rows(key_rows(buf, [k])))[0] for k in a_new]
+    assert error_kinds(got) == [None] * 12, error_kinds(got)
     assert set(a_new) <= set(tier.keys())
-    _states(tier._index)
-    snap = await _snapshot(tier)
+    check_settled_rows(tier._index)
+    snap = await fs_snapshot(tier)
     await tier.close()
-    assert all(data == _data(k) for k, data in snap.items())
+    assert all(data == key_data(k) for k, data in snap.items())
 
 
 async def test_a_write_into_a_hole_the_index_did_not_know_of_punches_that_row(tmpfs, slots) -> None:
@@ -142,16 +141,16 @@ async def test_a_write_into_a_hole_the_index_did_not_know_of_punches_that_row(tm
     ENOSPC too, the row would stay "holding blocks" and every later write of the group
     would take it and fail the same way."""
     mnt = tmpfs(1 << 20)
-    tier = await _open(mnt / "nvme", {A: NB[A]}, capacity_bytes=16 << 20)
+    tier = await open_tier(mnt / "nvme", {A: NB[A]}, capacity_bytes=16 << 20)
     buf = slots(1, SLOT)
     n = 0
     while tier.stats()["disk_full_evictions"] == 0:  # the filesystem is full of A's keys
-        assert await tier.write_rows(_rows(buf, [_key(n, A)])) == [None]
+        assert await tier.write_rows(key_rows(buf, [fs_key(n, A)])) == [None]
         n += 1
         assert n < 1000
-    tier.discard(_key(n - 1, A))  # two rows blanked by the next write, then free
-    tier.discard(_key(n - 2, A))
-    assert await tier.write_rows(_rows(buf, [_key("x", A)])) == [None]  # takes one of them
+    tier.discard(fs_key(n - 1, A))  # two rows blanked by the next write, then free
+    tier.discard(fs_key(n - 2, A))
+    assert await tier.write_rows(key_rows(buf, [fs_key("x", A)])) == [None]  # takes one of them
     free = [r for r in tier._index._free[A] if r not in tier._index._holed]
     assert len(free) == 1  # a free row holding its blocks
     spec, ref = tier._specs[A], free[0]
@@ -163,16 +162,16 @@ async def test_a_write_into_a_hole_the_index_did_not_know_of_punches_that_row(tm
         assert libc.fallocate(seg, punch, off, size) == 0
     finally:
         os.close(seg)
-    disk_full._fill(mnt)
-    got = [(await tier.write_rows(_rows(buf, [_key(f"h{i}", A)])))[0] for i in range(6)]
-    kinds = _kinds(got)
+    fill_fs(mnt)
+    got = [(await tier.write_rows(key_rows(buf, [fs_key(f"h{i}", A)])))[0] for i in range(6)]
+    kinds = error_kinds(got)
     assert kinds[0] in ("short_write", "enospc"), kinds  # the write into the hole
     assert kinds[1:] == [None] * 5, kinds  # not the same failure, for good
     assert tier.stats()["failures_short_write"] + tier.stats()["failures_enospc"] == 1
-    _states(tier._index)
-    snap = await _snapshot(tier)
+    check_settled_rows(tier._index)
+    snap = await fs_snapshot(tier)
     await tier.close()
-    assert all(data == _data(k) for k, data in snap.items())
+    assert all(data == key_data(k) for k, data in snap.items())
 
 
 # Regression: the free-space check counts growths of other groups in flight. Groups that grow
@@ -188,15 +187,15 @@ async def test_five_groups_growing_at_once_on_four_free_steps_all_keep_storing(
     tmpfs, slots, grow_ahead
 ) -> None:
     mnt = tmpfs(4 * FIVE_FILE + (12 << 10))  # 8 KiB of it taken at open; four steps free
-    holder: list[_GrowthRig] = []
-    tier = await _open(mnt / "nvme", FIVE, capacity_bytes=FIVE_CAP, grow_ahead=grow_ahead,
-                       row_io_wrapper=_growth_rig(holder))  # fmt: skip
+    holder: list[GrowthRig] = []
+    tier = await open_tier(mnt / "nvme", FIVE, capacity_bytes=FIVE_CAP, grow_ahead=grow_ahead,
+                       row_io_wrapper=growth_rig(holder))  # fmt: skip
     holder[0].alloc_delay = 0.05  # a fallocate that takes 50 ms, as on a real disk
-    assert _free_nbytes(mnt) >= 4 * (640 << 10)  # the check lets a whole step through
+    assert free_nbytes(mnt) >= 4 * (640 << 10)  # the check lets a whole step through
     buf = slots(len(FIVE), SLOT)
     failed = dict.fromkeys(FIVE, 0)
     for i in range(12):
-        got = await tier.write_rows(_rows(buf, [_key(i, g) for g in FIVE]))
+        got = await tier.write_rows(key_rows(buf, [fs_key(i, g) for g in FIVE]))
         for g, r in zip(FIVE, got, strict=True):
             failed[g] += r is not None
     held = {g: sum(k.group_id == g for k in list(tier.keys())) for g in FIVE}
@@ -223,30 +222,30 @@ async def test_groups_starting_together_on_small_filesystems_all_keep_storing(
         spec = {g: NB[g] for g in groups}
         mnt = tmpfs(size)
         root = mnt / "nvme"
-        tier = await _open(root, spec, capacity_bytes=64 << 20, grow_ahead=grow_ahead)
+        tier = await open_tier(root, spec, capacity_bytes=64 << 20, grow_ahead=grow_ahead)
         buf = slots(len(groups), SLOT)
         for i in range(90):
             order = rng.sample(groups, len(groups))
-            got = await tier.write_rows(_rows(buf, [_key(i, g) for g in order]))
-            assert got == [None] * len(order), _kinds(got)
+            got = await tier.write_rows(key_rows(buf, [fs_key(i, g) for g in order]))
+            assert got == [None] * len(order), error_kinds(got)
         st = tier.stats()
         held = {g: sum(k.group_id == g for k in list(tier.keys())) for g in groups}
         assert st["disk_full_evictions"] > 0  # the filesystem filled up
         assert min(held.values()) >= 3, held
         assert tier._index.held_nbytes <= size  # rows holding blocks (punched ones do not)
         assert st["bytes_used"] <= st["capacity_bytes"]
-        _states(tier._index)
-        snap = await _snapshot(tier)
+        check_settled_rows(tier._index)
+        snap = await fs_snapshot(tier)
         await tier.close()
-        assert all(data == _data(k) for k, data in snap.items())
-        tier = await _open(root, spec, capacity_bytes=64 << 20, grow_ahead=grow_ahead)
+        assert all(data == key_data(k) for k, data in snap.items())
+        tier = await open_tier(root, spec, capacity_bytes=64 << 20, grow_ahead=grow_ahead)
         for i in range(20):
-            got = await tier.write_rows(_rows(buf, [_key(f"r{i}", g) for g in groups]))
-            assert got == [None] * len(groups), _kinds(got)
-        snap = await _snapshot(tier)
+            got = await tier.write_rows(key_rows(buf, [fs_key(f"r{i}", g) for g in groups]))
+            assert got == [None] * len(groups), error_kinds(got)
+        snap = await fs_snapshot(tier)
         await tier.close()
         assert {k.group_id for k in snap} == set(groups)
-        assert all(data == _data(k) for k, data in snap.items())
+        assert all(data == key_data(k) for k, data in snap.items())
 
 
 async def test_concurrent_calls_while_another_tenant_fills_and_frees_the_filesystem(
@@ -261,10 +260,10 @@ async def test_concurrent_calls_while_another_tenant_fills_and_frees_the_filesys
     groups = (BIG, SMALL, A, B)
     spec = {g: NB[g] for g in groups}
     mnt = tmpfs(3 << 20)
-    tier = await _open(mnt / "nvme", spec, capacity_bytes=32 << 20, grow_ahead=True)
+    tier = await open_tier(mnt / "nvme", spec, capacity_bytes=32 << 20, grow_ahead=True)
     buf = slots(4 * 6, SLOT)
     for g in groups:
-        assert await tier.write_rows(_rows(buf, [_key("first", g)])) == [None]
+        assert await tier.write_rows(key_rows(buf, [fs_key("first", g)])) == [None]
     loop = asyncio.get_running_loop()
     kinds: set[str | None] = set()
     n = 0
@@ -272,7 +271,7 @@ async def test_concurrent_calls_while_another_tenant_fills_and_frees_the_filesys
         filled = threading.Event()
 
         def tenant(name: str = f"filler{cycle}", done: threading.Event = filled) -> None:
-            path = _fill(mnt, name)
+            path = fill_fs(mnt, name)
             done.set()
             threading.Event().wait(0.05)
             os.unlink(path)
@@ -281,25 +280,25 @@ async def test_concurrent_calls_while_another_tenant_fills_and_frees_the_filesys
         for _ in range(12):
             calls = []
             for j, g in enumerate(groups):
-                keys = [_key(n + i, g) for i in range(3)]
+                keys = [fs_key(n + i, g) for i in range(3)]
                 n += 3
-                calls.append(tier.write_rows(_rows(buf, keys, first=6 * j)))
+                calls.append(tier.write_rows(key_rows(buf, keys, first=6 * j)))
             outs = await asyncio.wait_for(asyncio.gather(*calls), 20)
-            kinds.update(k for out in outs for k in _kinds(out))
+            kinds.update(k for out in outs for k in error_kinds(out))
         await asyncio.wait_for(job, 20)
         assert filled.is_set()
-        _states(tier._index)
+        check_settled_rows(tier._index)
     assert kinds <= {None, "enospc"}, kinds
     for i in range(20):  # the space is back: every group stores again
-        got = await tier.write_rows(_rows(buf, [_key(f"after{i}", g) for g in groups]))
-        assert got == [None] * len(groups), _kinds(got)
+        got = await tier.write_rows(key_rows(buf, [fs_key(f"after{i}", g) for g in groups]))
+        assert got == [None] * len(groups), error_kinds(got)
     st = tier.stats()
     assert tier._index.held_nbytes <= 3 << 20  # rows holding blocks (punched ones do not)
     assert st["bytes_used"] <= st["capacity_bytes"]
-    snap = await _snapshot(tier)
+    snap = await fs_snapshot(tier)
     await tier.close()
     assert {k.group_id for k in snap} == set(groups)
-    assert all(data == _data(k) for k, data in snap.items())
+    assert all(data == key_data(k) for k, data in snap.items())
 
 
 async def test_a_large_filesystem_grows_by_whole_steps_even_with_a_huge_capacity(
@@ -309,14 +308,14 @@ async def test_a_large_filesystem_grows_by_whole_steps_even_with_a_huge_capacity
     space): the step is bounded by segment_nbytes (1 MiB), so the free-space check lets
     whole steps through: 300 keys per group grow each group by three whole steps of 127
     rows (381 rows; growths of one row would have allocated 300)."""
-    if _free_nbytes(tmp_path) < 64 << 20:
+    if free_nbytes(tmp_path) < 64 << 20:
         pytest.skip("the test filesystem has under 64 MiB free")
     groups = {A: NB[A], B: NB[B]}
-    tier = await _open(tmp_path / "nvme", groups, capacity_bytes=1 << 40, grow_ahead=False)
+    tier = await open_tier(tmp_path / "nvme", groups, capacity_bytes=1 << 40, grow_ahead=False)
     buf = slots(10, SLOT)
     for i in range(0, 300, 10):
         for g in groups:
-            got = await tier.write_rows(_rows(buf, [_key(i + j, g) for j in range(10)]))
+            got = await tier.write_rows(key_rows(buf, [fs_key(i + j, g) for j in range(10)]))
             assert got == [None] * 10
     segs = {g: tier._index.segments(g) for g in groups}
     await tier.close()
@@ -358,7 +357,7 @@ async def _crash_child(root: str, log_path: str) -> None:
     """Write forever into a tier of three groups on a full tiny tmpfs: three concurrent
     write_rows calls per round, rewrites of earlier keys (a new salt), a flush now and then;
     log each key before its write."""
-    tier = NVMeTier(**_kw(root, CRASH_GROUPS, capacity_bytes=64 << 20, grow_ahead=True))
+    tier = NVMeTier(**groups_kwargs(root, CRASH_GROUPS, capacity_bytes=64 << 20, grow_ahead=True))
     await tier.open()
     buf = Slots(12, SLOT)
     rng = random.Random(os.getpid())
@@ -377,13 +376,13 @@ async def _crash_child(root: str, log_path: str) -> None:
                             continue
                         salt[k] += 1
                     else:
-                        k = _key(f"{os.getpid()}-{n}", rng.choice(list(CRASH_GROUPS)))
+                        k = fs_key(f"{os.getpid()}-{n}", rng.choice(list(CRASH_GROUPS)))
                         n += 1
                         salt[k] = 0
                     keys.append(k)
                     taken.add(k)
                     log.write(json.dumps([k.block_hash.decode(), k.group_id, salt[k]]) + "\n")
-                calls.append(tier.write_rows(_rows(buf, keys, salt, first=4 * c)))
+                calls.append(tier.write_rows(key_rows(buf, keys, salt, first=4 * c)))
             log.flush()
             await asyncio.gather(*calls)
             if rng.random() < 0.3:
@@ -409,22 +408,22 @@ def test_sigkill_while_three_groups_write_on_a_tiny_tmpfs(tmpfs, tmp_path) -> No
             except ValueError:
                 continue  # the line the kill cut
             written.setdefault((h.encode(), g), set()).add(s)
-        found, _ = asyncio.run(_reopened(root, CRASH_GROUPS))
+        found, _ = asyncio.run(reopened(root, CRASH_GROUPS))
         for k, data in found.items():
             salts = written.get((k.block_hash, k.group_id))
             assert salts is not None, k
             if data is not None:
-                assert any(data == _data(k, s) for s in salts), k
+                assert any(data == key_data(k, s) for s in salts), k
                 checked += 1
 
         async def store_each(it: int = it) -> list[str | None]:
-            tier = await _open(root, CRASH_GROUPS, capacity_bytes=64 << 20)
+            tier = await open_tier(root, CRASH_GROUPS, capacity_bytes=64 << 20)
             try:
                 buf = Slots(1, SLOT)
-                out = [(await tier.write_rows(_rows(buf, [_key(f"x{it}", g)])))[0]
+                out = [(await tier.write_rows(key_rows(buf, [fs_key(f"x{it}", g)])))[0]
                        for g in CRASH_GROUPS]  # fmt: skip
                 buf.close()
-                return _kinds(out)
+                return error_kinds(out)
             finally:
                 await tier.close()
 
