@@ -34,7 +34,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,56 +63,21 @@ from kvtier.io import inspect_root, remove_namespace
 from ..engine.helpers import fill_random, filled_layout, key, same
 from ..io.faults import DelegatingRowIO
 from ._faultio import KeyFault, Wrapper
+from .background_engines import (
+    BPC,
+    await_for,
+    blocked_durable_store,
+    closed_seen,
+    engine_cfg,
+    nvme_cfg,
+    wait_for,
+)
 
 REPO = Path(__file__).resolve().parents[2]
-BPC = 2
 R = kvtier.Residency
 
 
 # ====================================================================== helpers
-
-
-def _nvme(
-    root: Path, *, ns: str = "races", wrapper: Any = None, capacity: int = 16 << 20
-) -> kvtier.NVMeConfig:
-    return kvtier.NVMeConfig(
-        root=root,
-        capacity_bytes=capacity,
-        namespace=ns,
-        segment_nbytes=1 << 20,
-        row_io_wrapper=wrapper,
-    )
-
-
-def _cfg(
-    layout: kvtier.KVLayout, slots: int, nvme: kvtier.NVMeConfig | None = None, **kw: Any
-) -> kvtier.EngineConfig:
-    return kvtier.EngineConfig(slots * layout.slot_nbytes(BPC), BPC, nvme=nvme, **kw)
-
-
-def _wait_for(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
-
-
-async def _await_for(cond: Callable[[], bool], what: str, limit_s: float = 10.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.002)
-
-
-def _closed_seen(bg: kvtier.BackgroundEngine) -> bool:
-    """Whether ``bg`` refuses new calls (its close has begun), through the public API."""
-    try:
-        bg.lookup([])
-    except EngineClosedError:
-        return True
-    return False
 
 
 def _consistent(st: kvtier.EngineStats) -> None:
@@ -146,19 +111,21 @@ def test_background_close_from_two_threads_both_return_after_the_engine_is_close
     layout, _ = filled_layout((32, 4096), seed=71, name="a")
     slow = key("slow", 0)
     fault = KeyFault("write", "block", hashes=frozenset({slow.block_hash}))
-    bg = kvtier.BackgroundEngine(layout, _cfg(layout, 4, _nvme(tmp_path, wrapper=Wrapper(fault))))
+    bg = kvtier.BackgroundEngine(
+        layout, engine_cfg(layout, 4, nvme_cfg(tmp_path, wrapper=Wrapper(fault)))
+    )
     bg.start()
     first = threading.Thread(target=bg.close, name="first-close")
     release = threading.Timer(1.0, fault.gate.set)
     try:
         bg.store([kvtier.Chunk(slow, [0, 1])]).result(10)
-        _wait_for(lambda: fault.hits == 1, "the row write to block")
+        wait_for(lambda: fault.hits == 1, "the row write to block")
         first.start()  # waits for the blocked row write (a soft close drains it)
-        _wait_for(lambda: _closed_seen(bg), "the first close to begin")
+        wait_for(lambda: closed_seen(bg), "the first close to begin")
         release.start()  # the write completes 1 s from now
         bg.close()  # the second close: must return only once the engine is closed
         # The namespace lock is free once the engine is closed.
-        other = kvtier.BackgroundEngine(layout, _cfg(layout, 4, _nvme(tmp_path)))
+        other = kvtier.BackgroundEngine(layout, engine_cfg(layout, 4, nvme_cfg(tmp_path)))
         other.start()
         other.close()
         assert not first.is_alive()
@@ -177,12 +144,14 @@ def test_background_cancel_of_a_finished_load_does_not_wait_for_other_durable_st
     layout, t = filled_layout((32, 4096), seed=71, name="a")
     a, slow = key("a", 0), key("slow", 0)
     fault = KeyFault("write", "block", hashes=frozenset({slow.block_hash}))
-    bg = kvtier.BackgroundEngine(layout, _cfg(layout, 4, _nvme(tmp_path, wrapper=Wrapper(fault))))
+    bg = kvtier.BackgroundEngine(
+        layout, engine_cfg(layout, 4, nvme_cfg(tmp_path, wrapper=Wrapper(fault)))
+    )
     bg.start()
     try:
         bg.store([kvtier.Chunk(a, [0, 1])], durable=True).result(10)
         durable = bg.store([kvtier.Chunk(slow, [2, 3])], durable=True)
-        _wait_for(lambda: fault.hits == 1, "the durable row write to block")
+        wait_for(lambda: fault.hits == 1, "the durable row write to block")
         load = bg.load([kvtier.Chunk(a, [4, 5])])
         assert load.result(10).loaded == (a,)
         assert same(t[4:6], t[0:2])
@@ -200,10 +169,10 @@ def test_background_cancel_of_a_finished_load_does_not_wait_for_other_durable_st
 def test_background_close_reports_a_failed_final_fdatasync(tmp_path: Path) -> None:
     layout, _ = filled_layout((32, 4096), seed=71, name="a")
     wrap = Wrapper()
-    bg = kvtier.BackgroundEngine(layout, _cfg(layout, 4, _nvme(tmp_path, wrapper=wrap)))
+    bg = kvtier.BackgroundEngine(layout, engine_cfg(layout, 4, nvme_cfg(tmp_path, wrapper=wrap)))
     bg.start()
     bg.store([kvtier.Chunk(key("dirty", 0), [0, 1])]).result(10)  # written through, not synced
-    _wait_for(lambda: bg.stats().nvme["rows_written"] == 1, "the row write")  # type: ignore[index]
+    wait_for(lambda: bg.stats().nvme["rows_written"] == 1, "the row write")  # type: ignore[index]
     wrap.faults.append(KeyFault("fdatasync", "errno"))
     try:
         with pytest.raises(StorageError):
@@ -211,7 +180,7 @@ def test_background_close_reports_a_failed_final_fdatasync(tmp_path: Path) -> No
     finally:
         bg.close()
         # The lock is released either way.
-        other = kvtier.BackgroundEngine(layout, _cfg(layout, 4, _nvme(tmp_path)))
+        other = kvtier.BackgroundEngine(layout, engine_cfg(layout, 4, nvme_cfg(tmp_path)))
         other.start()
         other.close()
 
@@ -222,10 +191,12 @@ def test_transfer_engine_aclose_raises_the_failed_final_fdatasync(tmp_path: Path
     wrap = Wrapper()
 
     async def main() -> None:
-        engine = kvtier.TransferEngine(layout, _cfg(layout, 4, _nvme(tmp_path, wrapper=wrap)))
+        engine = kvtier.TransferEngine(
+            layout, engine_cfg(layout, 4, nvme_cfg(tmp_path, wrapper=wrap))
+        )
         await engine.start()
         await engine.store([kvtier.Chunk(key("dirty", 0), [0, 1])])
-        await _await_for(lambda: engine.stats().nvme["rows_written"] == 1, "the row write")  # type: ignore[index]
+        await await_for(lambda: engine.stats().nvme["rows_written"] == 1, "the row write")  # type: ignore[index]
         wrap.faults.append(KeyFault("fdatasync", "errno"))
         with pytest.raises(StorageError):
             await engine.aclose()
@@ -237,7 +208,7 @@ def test_transfer_engine_aclose_raises_the_failed_final_fdatasync(tmp_path: Path
 # returns or raises, instead of deadlocking the engine forever
 def test_background_call_from_a_done_callback_does_not_deadlock() -> None:
     layout, _ = filled_layout((32, 4096), seed=71, name="a")
-    bg = kvtier.BackgroundEngine(layout, _cfg(layout, 4))
+    bg = kvtier.BackgroundEngine(layout, engine_cfg(layout, 4))
     bg.start()
     a = key("a", 0)
     got: dict[str, Any] = {}
@@ -267,41 +238,16 @@ def test_background_call_from_a_done_callback_does_not_deadlock() -> None:
 def test_background_cancel_of_a_non_future_is_a_typed_error() -> None:
     layout, _ = filled_layout((32, 4096), seed=71, name="a")
     with (
-        kvtier.BackgroundEngine(layout, _cfg(layout, 4)) as bg,
+        kvtier.BackgroundEngine(layout, engine_cfg(layout, 4)) as bg,
         pytest.raises(InvalidArgumentError),
     ):
         bg.cancel("not a future")  # type: ignore[arg-type]
 
 
-@contextlib.contextmanager
-def _blocked_durable_store(
-    tmp_path: Path,
-) -> Iterator[tuple[kvtier.BackgroundEngine, concurrent.futures.Future[Any], kvtier.OffloadKey]]:
-    """A BackgroundEngine whose durable store of one key waits in its row write.
-
-    Yields ``(engine, the store's Future, its key)``; on exit the write is
-    released, the store awaited and the engine closed.
-    """
-    layout, _ = filled_layout((32, 4096), seed=71, name="a")
-    slow = key("slow", 0)
-    fault = KeyFault("write", "block", hashes=frozenset({slow.block_hash}))
-    bg = kvtier.BackgroundEngine(layout, _cfg(layout, 4, _nvme(tmp_path, wrapper=Wrapper(fault))))
-    bg.start()
-    durable = bg.store([kvtier.Chunk(slow, [0, 1])], durable=True)
-    try:
-        _wait_for(lambda: fault.hits == 1, "the durable row write to block")
-        yield bg, durable, slow
-    finally:
-        fault.gate.set()
-        with contextlib.suppress(BaseException):
-            durable.result(10)
-        bg.close()
-
-
 # Regression: BackgroundEngine.cancel(fut, timeout='1') raises InvalidArgumentError and does not
 # cancel the call (not: cancel it, then raise TypeError, bad input changing state untyped)
 def test_background_cancel_with_a_bad_timeout_changes_nothing(tmp_path: Path) -> None:
-    with _blocked_durable_store(tmp_path) as (bg, durable, _):
+    with blocked_durable_store(tmp_path) as (bg, durable, _):
         assert not durable.done()
         try:
             with pytest.raises(InvalidArgumentError):
@@ -314,7 +260,7 @@ def test_background_cancel_with_a_bad_timeout_changes_nothing(tmp_path: Path) ->
 def test_background_calls_after_close_raise_at_once_and_close_is_idempotent(tmp_path: Path) -> None:
     layout, t = filled_layout((32, 4096), seed=71, name="a")
     a = key("a", 0)
-    bg = kvtier.BackgroundEngine(layout, _cfg(layout, 4, _nvme(tmp_path)))
+    bg = kvtier.BackgroundEngine(layout, engine_cfg(layout, 4, nvme_cfg(tmp_path)))
     bg.start()
     fut = bg.store([kvtier.Chunk(a, [0, 1])], durable=True)
     assert fut.result(10).stored == (a,)
@@ -339,7 +285,7 @@ def test_background_calls_after_close_raise_at_once_and_close_is_idempotent(tmp_
     assert same(t, before)
     assert bg.engine.stats().nvme["rows_resident"] == 1  # type: ignore[index]
     # The key survived: a new engine finds it on NVMe.
-    with kvtier.BackgroundEngine(layout, _cfg(layout, 4, _nvme(tmp_path))) as again:
+    with kvtier.BackgroundEngine(layout, engine_cfg(layout, 4, nvme_cfg(tmp_path))) as again:
         assert again.lookup([a]) == [R.NVME]
         assert again.load([kvtier.Chunk(a, [8, 9])]).result(10).loaded == (a,)
     assert same(t[8:10], t[0:2])
@@ -356,7 +302,7 @@ def test_background_engine_threads_store_load_cancel_then_close_midway() -> None
     fill_random(t, 5)
     src = t.clone()
     layout = kvtier.KVLayout.from_tensors({0: {"a": t}})
-    bg = kvtier.BackgroundEngine(layout, _cfg(layout, 6))
+    bg = kvtier.BackgroundEngine(layout, engine_cfg(layout, 6))
     bg.start()
     futures: list[concurrent.futures.Future[Any]] = []
     checks: list[
@@ -506,14 +452,16 @@ async def test_aclose_during_start_leaves_the_engine_closed_and_the_namespace_fr
     tmp_path: Path,
 ) -> None:
     layout, _ = filled_layout((32, 4096), seed=71, name="a")
-    async with kvtier.TransferEngine(layout, _cfg(layout, 4, _nvme(tmp_path))) as first:
+    async with kvtier.TransferEngine(layout, engine_cfg(layout, 4, nvme_cfg(tmp_path))) as first:
         await first.store([kvtier.Chunk(key("k", 0), [0, 1])], durable=True)
     _SlowOpen.entered.clear()
     _SlowOpen.gate.clear()
-    engine = kvtier.TransferEngine(layout, _cfg(layout, 4, _nvme(tmp_path, wrapper=_SlowOpen)))
+    engine = kvtier.TransferEngine(
+        layout, engine_cfg(layout, 4, nvme_cfg(tmp_path, wrapper=_SlowOpen))
+    )
     start = asyncio.ensure_future(engine.start())
     try:
-        await _await_for(_SlowOpen.entered.is_set, "the tier scan")
+        await await_for(_SlowOpen.entered.is_set, "the tier scan")
         # aclose waits for the start in progress (its scan is held): release the
         # scan while aclose waits (set only after aclose, the gate would let aclose
         # return only once the held open timed out after 10 s).
@@ -526,7 +474,9 @@ async def test_aclose_during_start_leaves_the_engine_closed_and_the_namespace_fr
             await start
         with pytest.raises(EngineClosedError):
             engine.lookup([key("k", 0)])
-        async with kvtier.TransferEngine(layout, _cfg(layout, 4, _nvme(tmp_path))) as again:
+        async with kvtier.TransferEngine(
+            layout, engine_cfg(layout, 4, nvme_cfg(tmp_path))
+        ) as again:
             assert again.lookup([key("k", 0)]) == [R.NVME]
     finally:
         _SlowOpen.gate.set()
@@ -549,7 +499,7 @@ async def test_aclose_during_start_leaves_the_engine_closed_and_the_namespace_fr
 async def test_store_never_evicts_a_present_key_of_the_same_call(policy: str) -> None:
     layout, _t = filled_layout((32, 4096), seed=71, name="a")
     a, b, c = key("a", 0), key("b", 0), key("c", 0)
-    async with kvtier.TransferEngine(layout, _cfg(layout, 2, eviction=policy)) as engine:
+    async with kvtier.TransferEngine(layout, engine_cfg(layout, 2, eviction=policy)) as engine:
         await engine.store([kvtier.Chunk(a, [0, 1])])
         # A serving loop stores the whole prefix again: a is cached, b and c are new.
         res = await engine.store(
@@ -588,7 +538,7 @@ async def test_full_tier_with_pinned_fresh_keys_rejects_and_arc_keeps_the_hot_ke
     hot = key("hot", 0)
     fresh = [key(f"f{i}", 0) for i in range(3)]
     fault = KeyFault("write", "block", hashes=frozenset(k.block_hash for k in fresh))
-    cfg = _cfg(layout, 4, _nvme(tmp_path, wrapper=Wrapper(fault)), eviction=policy)
+    cfg = engine_cfg(layout, 4, nvme_cfg(tmp_path, wrapper=Wrapper(fault)), eviction=policy)
     async with kvtier.TransferEngine(layout, cfg) as engine:
         try:
             await engine.store([kvtier.Chunk(hot, [0, 1])], durable=True)
@@ -596,7 +546,7 @@ async def test_full_tier_with_pinned_fresh_keys_rejects_and_arc_keeps_the_hot_ke
             await engine.store(
                 [kvtier.Chunk(k, [2 + 2 * i, 3 + 2 * i]) for i, k in enumerate(fresh)]
             )
-            await _await_for(lambda: fault.hits >= 1, "the blocked row writes")
+            await await_for(lambda: fault.hits >= 1, "the blocked row writes")
             st = engine.stats()
             assert st.slots_pinned == 3
             assert st.slots_resident == 1
@@ -828,7 +778,7 @@ async def test_aliased_and_shared_storage_groups_round_trip_and_reject_overlappi
     assert layout.group_nbytes(0, BPC) == BPC * (2048 + 4096)
     ref_t, ref_u = t.clone(), u.clone()
     k0, k1, k2 = key("g0", 0), key("g1", 1), key("g2", 2)
-    cfg = kvtier.EngineConfig(8 * layout.slot_nbytes(BPC), BPC, nvme=_nvme(tmp_path, ns="alias"))
+    cfg = kvtier.EngineConfig(8 * layout.slot_nbytes(BPC), BPC, nvme=nvme_cfg(tmp_path, ns="alias"))
     async with kvtier.TransferEngine(layout, cfg) as engine:
         res = await engine.store(
             [kvtier.Chunk(k0, [0, 1]), kvtier.Chunk(k1, [2, 3]), kvtier.Chunk(k2, [4, 5])],
@@ -924,11 +874,13 @@ async def test_inspect_and_remove_a_namespace_of_another_format_next_to_a_live_e
 ) -> None:
     old_layout, _ = filled_layout((32, 4096), seed=1, name="a")
     new_layout, t = filled_layout((32, 8192), seed=2, name="a")
-    async with kvtier.TransferEngine(old_layout, _cfg(old_layout, 4, _nvme(tmp_path))) as old:
+    async with kvtier.TransferEngine(
+        old_layout, engine_cfg(old_layout, 4, nvme_cfg(tmp_path))
+    ) as old:
         await old.store(
             [kvtier.Chunk(key(i, 0), [2 * i, 2 * i + 1]) for i in range(3)], durable=True
         )
-    new_cfg = _cfg(new_layout, 4, _nvme(tmp_path))
+    new_cfg = engine_cfg(new_layout, 4, nvme_cfg(tmp_path))
     async with kvtier.TransferEngine(new_layout, new_cfg) as engine:
         await engine.store([kvtier.Chunk(key("n", 0), [0, 1])], durable=True)
         info = inspect_root(tmp_path)
@@ -953,7 +905,9 @@ async def test_inspect_and_remove_a_namespace_of_another_format_next_to_a_live_e
         assert out.loaded == (key("n", 0),)
     assert same(t[4:6], t[0:2])
     # The old layout starts afresh: nothing of its rows is left.
-    async with kvtier.TransferEngine(old_layout, _cfg(old_layout, 4, _nvme(tmp_path))) as old:
+    async with kvtier.TransferEngine(
+        old_layout, engine_cfg(old_layout, 4, nvme_cfg(tmp_path))
+    ) as old:
         assert old.lookup([key(i, 0) for i in range(3)]) == [R.MISS] * 3
     async with kvtier.TransferEngine(new_layout, new_cfg) as engine:
         assert engine.lookup([key("n", 0)]) == [R.NVME]
@@ -968,14 +922,14 @@ async def test_inspect_and_remove_a_namespace_of_another_format_next_to_a_live_e
 async def test_a_promotion_without_a_free_slot_is_counted_as_rejected(tmp_path: Path) -> None:
     layout, _ = filled_layout((32, 4096), seed=71, name="a")
     k, x = key("k", 0), key("x", 0)
-    async with kvtier.TransferEngine(layout, _cfg(layout, 4, _nvme(tmp_path))) as engine:
+    async with kvtier.TransferEngine(layout, engine_cfg(layout, 4, nvme_cfg(tmp_path))) as engine:
         await engine.store([kvtier.Chunk(k, [0, 1])], durable=True)
     fault = KeyFault("write", "block", hashes=frozenset({x.block_hash}))
-    cfg = _cfg(layout, 1, _nvme(tmp_path, wrapper=Wrapper(fault)))
+    cfg = engine_cfg(layout, 1, nvme_cfg(tmp_path, wrapper=Wrapper(fault)))
     try:
         async with kvtier.TransferEngine(layout, cfg) as engine:
             await engine.store([kvtier.Chunk(x, [2, 3])])  # the only slot: pinned by its write
-            await _await_for(lambda: fault.hits == 1, "the blocked write")
+            await await_for(lambda: fault.hits == 1, "the blocked write")
             before = engine.stats().rejected
             res = await engine.prefetch([k])
             st = engine.stats()
@@ -995,7 +949,7 @@ async def test_stats_stay_consistent_after_read_and_write_failures_and_bad_input
     layout, t = filled_layout((48, 4096), seed=71, name="a")
     ref = t.clone()
     bad_read, bad_write, good = key("r", 0), key("w", 0), key("g", 0)
-    async with kvtier.TransferEngine(layout, _cfg(layout, 4, _nvme(tmp_path))) as engine:
+    async with kvtier.TransferEngine(layout, engine_cfg(layout, 4, nvme_cfg(tmp_path))) as engine:
         await engine.store(
             [kvtier.Chunk(bad_read, [0, 1]), kvtier.Chunk(good, [2, 3])], durable=True
         )
@@ -1006,7 +960,7 @@ async def test_stats_stay_consistent_after_read_and_write_failures_and_bad_input
         ),
     )
     async with kvtier.TransferEngine(
-        layout, _cfg(layout, 4, _nvme(tmp_path, wrapper=wrap))
+        layout, engine_cfg(layout, 4, nvme_cfg(tmp_path, wrapper=wrap))
     ) as engine:
         t[20:24] = 0
         # (one call each: a request of one row fails its key at once, with no retry)

@@ -45,13 +45,13 @@ from kvtier.io._inspect import folders_of, other_formats
 from ..engine.helpers import filled_layout, key, same
 from ..io.faults import DelegatingRowIO
 from ._faultio import KeyFault, Wrapper
-from .test_background_engine_races import (
-    _await_for,
-    _blocked_durable_store,
-    _cfg,
-    _closed_seen,
-    _nvme,
-    _wait_for,
+from .background_engines import (
+    await_for,
+    blocked_durable_store,
+    closed_seen,
+    engine_cfg,
+    nvme_cfg,
+    wait_for,
 )
 
 R = kvtier.Residency
@@ -95,13 +95,13 @@ class _GatedOpenClose(DelegatingRowIO):
 
 async def _store_one_row(root: Path, ns: str = "races") -> kvtier.KVLayout:
     layout, _ = filled_layout((32, 4096), seed=71, name="a")
-    async with kvtier.TransferEngine(layout, _cfg(layout, 4, _nvme(root, ns=ns))) as first:
+    async with kvtier.TransferEngine(layout, engine_cfg(layout, 4, nvme_cfg(root, ns=ns))) as first:
         await first.store([kvtier.Chunk(key("k", 0), [0, 1])], durable=True)
     return layout
 
 
 async def _namespace_is_free(layout: kvtier.KVLayout, root: Path) -> bool:
-    other = kvtier.TransferEngine(layout, _cfg(layout, 4, _nvme(root)))
+    other = kvtier.TransferEngine(layout, engine_cfg(layout, 4, nvme_cfg(root)))
     try:
         await other.start()
     except NamespaceLockedError:
@@ -118,17 +118,17 @@ async def test_second_aclose_during_an_aborted_start_waits_for_the_namespace_loc
     layout = await _store_one_row(tmp_path)
     _GatedOpenClose.reset()
     engine = kvtier.TransferEngine(
-        layout, _cfg(layout, 4, _nvme(tmp_path, wrapper=_GatedOpenClose))
+        layout, engine_cfg(layout, 4, nvme_cfg(tmp_path, wrapper=_GatedOpenClose))
     )
     start = asyncio.ensure_future(engine.start())
     first = second = None
     free_when_second_returned: bool | None = None
     try:
-        await _await_for(_GatedOpenClose.open_entered.is_set, "the tier scan")
+        await await_for(_GatedOpenClose.open_entered.is_set, "the tier scan")
         first = asyncio.ensure_future(engine.aclose())  # asks start() to stop
         await asyncio.sleep(0.01)
         _GatedOpenClose.open_gate.set()  # start() opens the tier, then stops and releases
-        await _await_for(_GatedOpenClose.close_entered.is_set, "start() releasing the tier")
+        await await_for(_GatedOpenClose.close_entered.is_set, "start() releasing the tier")
         second = asyncio.ensure_future(engine.aclose())
         await asyncio.wait([second], timeout=0.3)
         if second.done():
@@ -153,11 +153,11 @@ async def test_aclose_during_start_leaves_no_thread_slot_or_lock_behind(tmp_path
     _GatedOpenClose.reset()
     _GatedOpenClose.close_gate.set()
     engine = kvtier.TransferEngine(
-        layout, _cfg(layout, 4, _nvme(tmp_path, wrapper=_GatedOpenClose))
+        layout, engine_cfg(layout, 4, nvme_cfg(tmp_path, wrapper=_GatedOpenClose))
     )
     start = asyncio.ensure_future(engine.start())
     try:
-        await _await_for(_GatedOpenClose.open_entered.is_set, "the tier scan")
+        await await_for(_GatedOpenClose.open_entered.is_set, "the tier scan")
         closing = asyncio.ensure_future(engine.aclose())
         await asyncio.sleep(0.01)
         assert not closing.done()  # waits for start's step in progress
@@ -177,11 +177,11 @@ async def test_aclose_during_start_leaves_no_thread_slot_or_lock_behind(tmp_path
     await engine.aclose()  # idempotent
     st = engine.stats()
     assert st.slots_free == st.num_slots
-    await _await_for(
+    await await_for(
         lambda: not [t for t in set(threading.enumerate()) - before if t.name.startswith("kvtier")],
         "the engine's threads to end",
     )
-    async with kvtier.TransferEngine(layout, _cfg(layout, 4, _nvme(tmp_path))) as again:
+    async with kvtier.TransferEngine(layout, engine_cfg(layout, 4, nvme_cfg(tmp_path))) as again:
         assert again.lookup([key("k", 0)]) == [R.NVME]
 
 
@@ -192,7 +192,7 @@ async def test_aclose_during_start_leaves_no_thread_slot_or_lock_behind(tmp_path
 # Future.result raise OverflowError (above threading.TIMEOUT_MAX): untyped, state changed
 @pytest.mark.parametrize("timeout", [-1, float("nan"), True, "1", float("-inf"), 1e10])
 def test_background_cancel_with_a_bad_timeout_cancels_nothing(tmp_path: Path, timeout: Any) -> None:
-    with _blocked_durable_store(tmp_path) as (bg, durable, slow):
+    with blocked_durable_store(tmp_path) as (bg, durable, slow):
         with pytest.raises(InvalidArgumentError):
             bg.cancel(durable, timeout=timeout)
         assert not durable.done()
@@ -203,7 +203,7 @@ def test_background_calls_from_a_done_callback_query_or_refuse_without_side_effe
     """Holds: on the engine thread, queries answer; cancel()/close() raise and change nothing."""
     layout, t = filled_layout((32, 4096), seed=71, name="a")
     a, b = key("a", 0), key("b", 0)
-    bg = kvtier.BackgroundEngine(layout, _cfg(layout, 4))
+    bg = kvtier.BackgroundEngine(layout, engine_cfg(layout, 4))
     bg.start()
     got: dict[str, Any] = {}
     done = threading.Event()
@@ -249,7 +249,7 @@ def test_background_calls_from_a_done_callback_query_or_refuse_without_side_effe
 
 def test_background_cancel_of_a_finished_future_returns_false_and_close_twice_returns() -> None:
     layout, _ = filled_layout((32, 4096), seed=71, name="a")
-    bg = kvtier.BackgroundEngine(layout, _cfg(layout, 4))
+    bg = kvtier.BackgroundEngine(layout, engine_cfg(layout, 4))
     with bg:
         fut = bg.store([kvtier.Chunk(key("a", 0), [0, 1])])
         fut.result(10)
@@ -308,7 +308,9 @@ async def test_open_warning_skips_odd_entries_and_names_only_real_other_formats(
 ) -> None:
     """Holds: FIFOs, non-UTF-8, non-object, deep or directory format.json, symlink loops."""
     old_layout, _ = filled_layout((32, 8192), seed=71, name="a")
-    async with kvtier.TransferEngine(old_layout, _cfg(old_layout, 4, _nvme(tmp_path))) as old:
+    async with kvtier.TransferEngine(
+        old_layout, engine_cfg(old_layout, 4, nvme_cfg(tmp_path))
+    ) as old:
         await old.store([kvtier.Chunk(key("o", 0), [0, 1])], durable=True)
         old_name = old._nvme.directory.name
     odd = {
@@ -335,7 +337,7 @@ async def test_open_warning_skips_odd_entries_and_names_only_real_other_formats(
     os.mkfifo(tmp_path / "pipe-0123456789abcdef")
     layout, t = filled_layout((32, 4096), seed=71, name="a")
     with caplog.at_level(logging.WARNING, logger="kvtier.io"):
-        engine = kvtier.TransferEngine(layout, _cfg(layout, 4, _nvme(tmp_path)))
+        engine = kvtier.TransferEngine(layout, engine_cfg(layout, 4, nvme_cfg(tmp_path)))
         await asyncio.wait_for(engine.start(), 30)
         try:
             await engine.store([kvtier.Chunk(key("n", 0), [0, 1])])
@@ -361,11 +363,15 @@ async def test_open_warning_does_not_call_a_live_engines_folder_unused(
     """Blue/green on one host: the old server (old layout) still runs as the new one starts."""
     old_layout, _ = filled_layout((32, 8192), seed=71, name="a")
     new_layout, _ = filled_layout((32, 4096), seed=71, name="a")
-    async with kvtier.TransferEngine(old_layout, _cfg(old_layout, 4, _nvme(tmp_path))) as old:
+    async with kvtier.TransferEngine(
+        old_layout, engine_cfg(old_layout, 4, nvme_cfg(tmp_path))
+    ) as old:
         await old.store([kvtier.Chunk(key("o", 0), [0, 1])], durable=True)
         live = old._nvme.directory.name
         with caplog.at_level(logging.WARNING, logger="kvtier.io"):
-            async with kvtier.TransferEngine(new_layout, _cfg(new_layout, 4, _nvme(tmp_path))):
+            async with kvtier.TransferEngine(
+                new_layout, engine_cfg(new_layout, 4, nvme_cfg(tmp_path))
+            ):
                 pass
         assert old.lookup([key("o", 0)]) == [R.CPU]
         info = {n["directory"]: n for n in inspect_root(tmp_path)["namespaces"]}
@@ -515,14 +521,14 @@ async def test_remove_messages_with_yes_and_nothing_removed_without_an_answer(
 async def test_a_rejected_promotion_by_a_load_is_counted_once_as_rejected(tmp_path: Path) -> None:
     layout, _ = filled_layout((32, 4096), seed=71, name="a")
     k, x = key("k", 0), key("x", 0)
-    async with kvtier.TransferEngine(layout, _cfg(layout, 4, _nvme(tmp_path))) as engine:
+    async with kvtier.TransferEngine(layout, engine_cfg(layout, 4, nvme_cfg(tmp_path))) as engine:
         await engine.store([kvtier.Chunk(k, [0, 1])], durable=True)
     fault = KeyFault("write", "block", hashes=frozenset({x.block_hash}))
-    cfg = _cfg(layout, 1, _nvme(tmp_path, wrapper=Wrapper(fault)))
+    cfg = engine_cfg(layout, 1, nvme_cfg(tmp_path, wrapper=Wrapper(fault)))
     try:
         async with kvtier.TransferEngine(layout, cfg) as engine:
             await engine.store([kvtier.Chunk(x, [2, 3])])  # the only slot, pinned by its write
-            await _await_for(lambda: fault.hits == 1, "the blocked write")
+            await await_for(lambda: fault.hits == 1, "the blocked write")
             before = engine.stats()
             res = await engine.load([kvtier.Chunk(k, [4, 5])])
             st = engine.stats()
@@ -544,13 +550,15 @@ async def test_control_transfer_engine_hard_aclose_during_a_soft_aclose_drops_qu
     layout, _ = filled_layout((32, 4096), seed=71, name="a")
     s1, s2, k3 = key("s1", 0), key("s2", 0), key("k3", 0)
     fault = KeyFault("write", "block", hashes=frozenset({s1.block_hash, s2.block_hash}))
-    engine = kvtier.TransferEngine(layout, _cfg(layout, 8, _nvme(tmp_path, wrapper=Wrapper(fault))))
+    engine = kvtier.TransferEngine(
+        layout, engine_cfg(layout, 8, nvme_cfg(tmp_path, wrapper=Wrapper(fault)))
+    )
     await engine.start()
     try:
         for i, k in enumerate((s1, s2, k3)):
             await engine.store([kvtier.Chunk(k, [2 * i, 2 * i + 1])])
             await asyncio.sleep(0)
-        await _await_for(lambda: fault.hits == 2, "two blocked row writes")
+        await await_for(lambda: fault.hits == 2, "two blocked row writes")
         assert engine.stats().nvme["writes_queued"] == 1  # type: ignore[index]
         soft = asyncio.ensure_future(engine.aclose())
         await asyncio.sleep(0.05)
@@ -560,7 +568,7 @@ async def test_control_transfer_engine_hard_aclose_during_a_soft_aclose_drops_qu
         fault.gate.set()
     await soft
     await hard
-    async with kvtier.TransferEngine(layout, _cfg(layout, 8, _nvme(tmp_path))) as again:
+    async with kvtier.TransferEngine(layout, engine_cfg(layout, 8, nvme_cfg(tmp_path))) as again:
         assert again.lookup([s1, s2, k3]) == [R.NVME, R.NVME, R.MISS]
 
 
@@ -571,17 +579,19 @@ def test_background_hard_close_during_a_soft_close_drops_queued_rows(tmp_path: P
     layout, _ = filled_layout((32, 4096), seed=71, name="a")
     s1, s2, k3 = key("s1", 0), key("s2", 0), key("k3", 0)
     fault = KeyFault("write", "block", hashes=frozenset({s1.block_hash, s2.block_hash}))
-    bg = kvtier.BackgroundEngine(layout, _cfg(layout, 8, _nvme(tmp_path, wrapper=Wrapper(fault))))
+    bg = kvtier.BackgroundEngine(
+        layout, engine_cfg(layout, 8, nvme_cfg(tmp_path, wrapper=Wrapper(fault)))
+    )
     bg.start()
     soft = threading.Thread(target=bg.close, name="soft-close")
     hard = threading.Thread(target=lambda: bg.close(hard=True), name="hard-close")
     try:
         for i, k in enumerate((s1, s2, k3)):
             bg.store([kvtier.Chunk(k, [2 * i, 2 * i + 1])]).result(10)
-        _wait_for(lambda: fault.hits == 2, "two blocked row writes")
+        wait_for(lambda: fault.hits == 2, "two blocked row writes")
         assert bg.stats().nvme["writes_queued"] == 1  # type: ignore[index]
         soft.start()
-        _wait_for(lambda: _closed_seen(bg), "the soft close to begin")
+        wait_for(lambda: closed_seen(bg), "the soft close to begin")
         hard.start()
         threading.Event().wait(0.3)  # the hard close has been asked for
     finally:
@@ -589,6 +599,6 @@ def test_background_hard_close_during_a_soft_close_drops_queued_rows(tmp_path: P
         for th in (soft, hard):
             if th.ident is not None:
                 th.join(20)
-    with kvtier.BackgroundEngine(layout, _cfg(layout, 8, _nvme(tmp_path))) as again:
+    with kvtier.BackgroundEngine(layout, engine_cfg(layout, 8, nvme_cfg(tmp_path))) as again:
         assert again.lookup([s1, s2]) == [R.NVME, R.NVME]
         assert again.lookup([k3]) == [R.MISS], "the hard close did not drop the queued row"
