@@ -22,7 +22,7 @@ from kvtier.io import KvikioRowIO, NVMeTier, RowIO
 
 from .conftest import GROUP_NBYTES, key, payload, tier_kwargs
 from .kvikio_standin import StandInKvikio, defaults_2502, new_defaults
-from .test_rowio import RowIOConformance
+from .rowio_conformance import RowIOConformance
 
 
 @pytest.fixture
