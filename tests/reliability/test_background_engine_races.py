@@ -403,7 +403,7 @@ _CLOSE_DURING_START = textwrap.dedent(
                 pass
         th = threading.Thread(target=starter)
         th.start()
-        while bg.engine._state != "starting":
+        while bg.engine._lifecycle.state != "starting":
             time.sleep(0.0001)
         bg.close()
         th.join()
