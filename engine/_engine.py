@@ -30,7 +30,7 @@ from kvtier._transfer import (
     ChunkCopy,
     CopyExecutor,
     Direction,
-    HostPiece,
+    HostGroup,
     aliasing_labels,
     host_pieces,
     piece_specs,
@@ -167,7 +167,7 @@ class TransferEngine:
         self._load_order = LoadOrder(aliasing_labels(self._specs), self._validate.alias_class)
         self._lifecycle = Lifecycle(type(self).__name__)
         self._region: HostRegion | None = None
-        self._host: dict[int, tuple[HostPiece, ...] | None] = {}
+        self._host: dict[int, HostGroup | None] = {}
         self._pool = SlotPool(self.num_slots, make_policy(config.eviction, self.num_slots))
         self._executors: dict[Direction, CopyExecutor] = {}
         self._ready: dict[OffloadKey, asyncio.Future[bool]] = {}

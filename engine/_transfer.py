@@ -35,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvtier._copytable import CopyTable, GroupRuns, execute, group_runs, job_table
 from kvtier.errors import TransferError
 from kvtier.layout import GroupLayout
 
@@ -115,14 +116,32 @@ class HostPiece(NamedTuple):
     take: bool
 
 
+class HostGroup(NamedTuple):
+    """What the CPU path precomputes of one group, once per engine.
+
+    Attributes:
+        pieces: one :class:`HostPiece` per piece spec (copies chunk by chunk).
+        runs: the group's contiguous runs (:class:`kvtier._copytable.GroupRuns`),
+            from which a job's descriptor table is built.
+        blocks_per_chunk: sub-blocks per chunk.
+        templates: the slot side of the group's rows per ``(first sub-block,
+            blocks)``, filled by :func:`kvtier._copytable.job_table`.
+    """
+
+    pieces: tuple[HostPiece, ...]
+    runs: GroupRuns
+    blocks_per_chunk: int
+    templates: dict[tuple[int, int], Any]
+
+
 def host_pieces(
     specs: Sequence[PieceSpec],
     pool: dict[int, npt.NDArray[Any]],
     slot_nbytes: int,
     num_slots: int,
     blocks_per_chunk: int,
-) -> tuple[HostPiece, ...] | None:
-    """Precompute the CPU path's views of a group's pieces in every slot.
+) -> HostGroup | None:
+    """Precompute the CPU path's views and runs of a group's pieces in every slot.
 
     Args:
         specs: the group's pieces (:func:`piece_specs`).
@@ -132,7 +151,7 @@ def host_pieces(
         blocks_per_chunk: sub-blocks per chunk.
 
     Returns:
-        One :class:`HostPiece` per spec, or ``None`` when the cache is not on the CPU.
+        The group's :class:`HostGroup`, or ``None`` when the cache is not on the CPU.
     """
     out = []
     for spec in specs:
@@ -156,7 +175,9 @@ def host_pieces(
         )
         take = gpu.flags.c_contiguous and slots[0].flags.c_contiguous
         out.append(HostPiece(gpu, slots, bool(take)))
-    return tuple(out)
+    flat = pool[1]
+    runs = group_runs(specs, flat.ctypes.data, flat.nbytes)
+    return HostGroup(tuple(out), runs, blocks_per_chunk, {})
 
 
 class ChunkCopy(NamedTuple):
@@ -172,7 +193,7 @@ class ChunkCopy(NamedTuple):
         block_ids: GPU block ids of sub-blocks ``start .. start+len(block_ids)``.
         start: first sub-block index inside the chunk.
         nbytes: payload bytes this copy moves.
-        host: the group's :class:`HostPiece` list (CPU path), or ``None`` to
+        host: the group's :class:`HostGroup` (CPU path), or ``None`` to
             copy with torch.
         slot: index of the slot (``slot_offset // slot_nbytes``).
     """
@@ -183,7 +204,7 @@ class ChunkCopy(NamedTuple):
     block_ids: tuple[int, ...]
     start: int
     nbytes: int
-    host: tuple[HostPiece, ...] | None = None
+    host: HostGroup | None = None
     slot: int = 0
 
 
@@ -220,8 +241,8 @@ def _run_host(copy: ChunkCopy, store: bool) -> None:
     first, n = ids[0], len(ids)
     run = ids == tuple(range(first, first + n))
     idx = None if run else np.array(ids, dtype=np.intp)
-    partial = copy.start or n != copy.host[0].slots.shape[1]
-    for piece in copy.host:
+    partial = copy.start or n != copy.host.blocks_per_chunk
+    for piece in copy.host.pieces:
         gpu = piece.gpu
         slot = (
             piece.slots[copy.slot, copy.start : copy.start + n]
@@ -243,49 +264,6 @@ def _run_host(copy: ChunkCopy, store: bool) -> None:
             slot[...] = gpu[idx]
 
 
-def _slot_runs(plan: Sequence[ChunkCopy]) -> list[tuple[int, int]]:
-    """Split ``plan`` into ``[start, stop)`` runs that one NumPy call per piece can copy.
-
-    A run of two or more holds full chunks of one group in consecutive slots;
-    everything else is a run of one.
-    """
-    runs, i = [], 0
-    while i < len(plan):
-        c, j = plan[i], i + 1
-        if c.host is not None and c.start == 0 and len(c.block_ids) == c.host[0].slots.shape[1]:
-            bpc = len(c.block_ids)
-            while (
-                j < len(plan)
-                and plan[j].host is c.host
-                and plan[j].slot == c.slot + (j - i)
-                and plan[j].start == 0
-                and len(plan[j].block_ids) == bpc
-            ):
-                j += 1
-        runs.append((i, j))
-        i = j
-    return runs
-
-
-def _load_run(run: Sequence[ChunkCopy]) -> None:
-    """Load full chunks of one group in consecutive slots: ONE NumPy call per piece.
-
-    The slots' strided view ``(k, blocks_per_chunk, *shape)`` is scattered
-    straight into the cache blocks. Few large calls mean few GIL hand-offs:
-    with one call per chunk, a copy thread that re-takes the GIL after each
-    call can starve the other one for a whole job (measured: the two halves
-    of a job then run one after the other). Stores keep one ``np.take`` per
-    chunk: NumPy has no one-pass gather into a strided destination, and two
-    passes cost more than the hand-offs.
-    """
-    host = run[0].host
-    assert host is not None
-    s0, k = run[0].slot, len(run)
-    idx = np.array([c.block_ids for c in run], dtype=np.intp)  # (k, blocks_per_chunk)
-    for piece in host:
-        piece.gpu[idx] = piece.slots[s0 : s0 + k]
-
-
 def run_plan(
     plan: Sequence[ChunkCopy],
     direction: Direction,
@@ -294,10 +272,11 @@ def run_plan(
 ) -> None:
     """Execute a job's copies synchronously (worker thread or CUDA stream context).
 
-    Per chunk and per piece of each distinct layer: a strided copy when the
-    block ids are consecutive, else a gather into the slot (store) or a
-    scatter into the GPU blocks (load). Chunks with ``host`` pieces run as
-    NumPy calls, the others as torch calls.
+    Chunks with ``host`` pieces (CPU-only hosts) run as the job's descriptor
+    table (:func:`plan_table`, executed by :func:`kvtier._copytable.execute`).
+    The others run as torch calls, per chunk and per piece of each distinct
+    layer: a strided copy when the block ids are consecutive, else a gather
+    into the slot (store) or a scatter into the GPU blocks (load).
 
     Args:
         plan: the chunk copies.
@@ -305,29 +284,38 @@ def run_plan(
         aliasing: the caller's cache for :func:`_pages_written_twice` (one per engine).
         in_order: CPU path: a load whose chunks write a GPU page twice
             (:func:`_pages_written_twice`), copied chunk by chunk in plan
-            order so that the later chunk wins. Not with one NumPy call for
-            chunks in consecutive slots (:func:`_load_run`): NumPy does not
-            say in which order an assignment through repeated indices
-            writes ("there is in general no guarantee for the iteration
-            order", its indexing docs).
+            order so that the later chunk wins. Not through the table: NumPy
+            does not say in which order an assignment through repeated
+            indices writes ("there is in general no guarantee for the
+            iteration order", its indexing docs).
     """
     store = direction == "store"
     if plan and plan[0].host is not None:
-        if store:
-            for copy in plan:
-                _run_host(copy, True)
-            return
         if in_order:
             for copy in plan:
-                _run_host(copy, False)
+                _run_host(copy, store)
             return
-        for i, j in _slot_runs(plan):
-            if j - i > 1:
-                _load_run(plan[i:j])
-            else:
-                _run_host(plan[i], False)
+        execute(plan_table(plan, store=store))
         return
     _run_torch(plan, store, aliasing)
+
+
+def plan_table(plan: Sequence[ChunkCopy], *, store: bool) -> CopyTable:
+    """The descriptor table of a CPU-path job (:func:`kvtier._copytable.job_table`).
+
+    Args:
+        plan: chunk copies whose ``host`` is set.
+        store: ``True`` for GPU blocks -> slots, ``False`` for the reverse.
+    """
+    groups: dict[int, tuple[GroupRuns, list[ChunkCopy], dict[tuple[int, int], Any]]] = {}
+    for copy in plan:
+        host = copy.host
+        assert host is not None
+        entry = groups.get(id(host))
+        if entry is None:
+            entry = groups[id(host)] = (host.runs, [], host.templates)
+        entry[1].append(copy)
+    return job_table(list(groups.values()), store)
 
 
 _BATCH_NBYTES = 64 << 20

@@ -635,9 +635,10 @@ async def test_packed_groups_load_the_same_block_ids_in_one_call() -> None:
 async def test_consecutive_slots_loaded_into_one_block_by_several_calls() -> None:
     """Full chunks in consecutive slots that write one block: chunk by chunk, later wins.
 
-    Written while ``_load_run`` scattered them with ONE NumPy assignment, where
-    call order held only because NumPy assigns repeated indices in order (not
-    documented); such a job is now copied chunk by chunk (``run_plan(in_order=True)``).
+    A descriptor table (``kvtier._copytable.execute``) scatters with ONE NumPy
+    assignment per row size, where call order would hold only because NumPy
+    assigns repeated indices in order (not documented); such a job is copied
+    chunk by chunk instead (``run_plan(in_order=True)``).
     """
     m = _case_kv_first_and_k_half()
     layout = m.layout()
@@ -646,16 +647,18 @@ async def test_consecutive_slots_loaded_into_one_block_by_several_calls() -> Non
     for chunk in stores:
         ref.store(chunk)
     runs: list[int] = []
-    real = transfer._load_run
+    real = transfer.execute
 
-    def spy(run: Sequence[transfer.ChunkCopy]) -> None:
-        runs.append(len(run))
-        real(run)
+    def spy(table: Any) -> None:
+        runs.append(len(table.nbytes))
+        real(table)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(transfer, "_load_run", spy)
+        mp.setattr(transfer, "execute", spy)
         async with kvtier.TransferEngine(layout, config(2)) as engine:
             assert len((await engine.store(stores)).stored) == 5
+            assert runs  # the store went through a table
+            runs.clear()
             slots = [engine._pool.get(s.key).slot for s in stores]
             assert slots == sorted(slots)
             assert slots == list(range(slots[0], slots[0] + 5))
