@@ -114,6 +114,10 @@ class NVMeConfig:
             raise ConfigError("NVMeConfig.root and namespace must not contain NUL bytes")
 
 
+COPY_BACKENDS = ("auto", "dma", "kernel", "torch")
+"""The values of :attr:`EngineConfig.copy_backend`."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine sizing and policies.
@@ -129,6 +133,16 @@ class EngineConfig:
         write_through: write every stored key to NVMe in the background.
         copy_threads: worker threads per direction for the CPU-only copy path
             (default: ``min(2, os.cpu_count())``); ignored on CUDA hosts.
+        copy_backend: how a job's copies run. ``"auto"`` (default): on
+            CPU-only hosts the job's descriptor table by NumPy (one
+            fancy-indexed copy per row size), on CUDA hosts torch calls on
+            the direction's stream. ``"dma"``: the table as batched copies
+            (NumPy on CPU-only hosts). ``"kernel"``: the table by a Triton
+            copy kernel (CPU-only hosts under ``TRITON_INTERPRET=1``, for
+            checking it). ``"torch"``: torch calls per chunk and piece on
+            every host. On CUDA hosts only ``"auto"`` and ``"torch"`` are
+            accepted in this release (``TransferEngine`` raises
+            ``ConfigError`` for the others).
 
     Raises:
         BudgetError: ``cpu_bytes`` is not a positive int.
@@ -144,6 +158,7 @@ class EngineConfig:
     pin_memory: bool = True
     write_through: bool = True
     copy_threads: int = min(2, os.cpu_count() or 1)
+    copy_backend: str = "auto"
 
     def __post_init__(self) -> None:
         _positive_int("EngineConfig.cpu_bytes", self.cpu_bytes, BudgetError)
@@ -152,6 +167,10 @@ class EngineConfig:
         _positive_int("EngineConfig.max_batch_chunks", self.max_batch_chunks)
         if self.eviction not in ("lru", "arc"):
             raise ConfigError(f"EngineConfig.eviction {self.eviction!r} not in lru/arc")
+        if self.copy_backend not in COPY_BACKENDS:
+            raise ConfigError(
+                f"EngineConfig.copy_backend {self.copy_backend!r} not in {'/'.join(COPY_BACKENDS)}"
+            )
         if self.nvme is not None and not isinstance(self.nvme, NVMeConfig):
             raise ConfigError("EngineConfig.nvme must be an NVMeConfig or None")
         for name in ("pin_memory", "write_through"):

@@ -32,6 +32,7 @@ from kvtier._transfer import (
     Direction,
     HostGroup,
     aliasing_labels,
+    check_backend,
     host_pieces,
     piece_specs,
     record_event,
@@ -128,7 +129,9 @@ class TransferEngine:
     Raises:
         BudgetError: ``cpu_bytes`` cannot hold one slot.
         ConfigError: the NVMe ``capacity_bytes`` cannot hold one row of the
-            largest group.
+            largest group; or ``copy_backend`` cannot run here (``"dma"`` or
+            ``"kernel"`` on a CUDA host; ``"kernel"`` without Triton or
+            ``TRITON_INTERPRET=1``).
         InvalidArgumentError: ``layout`` / ``config`` have the wrong type.
 
     """
@@ -142,6 +145,7 @@ class TransferEngine:
             )
         self.layout = layout
         self.config = config
+        check_backend(config.copy_backend, layout.device)
         bpc = config.blocks_per_chunk
         self.blocks_per_chunk = bpc
         self.slot_nbytes = layout.slot_nbytes(bpc)
@@ -204,8 +208,9 @@ class TransferEngine:
         region = self._region = await open_pool(
             self.num_slots, self.slot_nbytes, self.config.cpu_bytes, self.config.pin_memory
         )
+        torch_only = self.config.copy_backend == "torch"
         self._host = {
-            g: host_pieces(
+            g: None if torch_only else host_pieces(
                 self._specs[g], region.host_views, self.slot_nbytes, self.num_slots,
                 self.blocks_per_chunk,
             )
@@ -214,7 +219,10 @@ class TransferEngine:
         life.stop_if_closing()
         threads = self.config.copy_threads
         self._executors.update(
-            {d: CopyExecutor(self.layout.device, d, threads) for d in ("store", "load")}
+            {
+                d: CopyExecutor(self.layout.device, d, threads, self.config.copy_backend)
+                for d in ("store", "load")
+            }
         )
         if self.config.nvme is not None:
             from kvtier._writeback import WriterParts

@@ -36,7 +36,7 @@ import numpy.typing as npt
 import torch
 
 from kvtier._copytable import CopyTable, GroupRuns, execute, group_runs, job_table
-from kvtier.errors import TransferError
+from kvtier.errors import ConfigError, TransferError
 from kvtier.layout import GroupLayout
 
 Direction = Literal["store", "load"]
@@ -269,6 +269,7 @@ def run_plan(
     direction: Direction,
     aliasing: dict[frozenset[int], _Aliasing] | None = None,
     in_order: bool = False,
+    backend: str = "auto",
 ) -> None:
     """Execute a job's copies synchronously (worker thread or CUDA stream context).
 
@@ -288,6 +289,9 @@ def run_plan(
             does not say in which order an assignment through repeated
             indices writes ("there is in general no guarantee for the
             iteration order", its indexing docs).
+        backend: ``EngineConfig.copy_backend``: ``"kernel"`` runs a CPU
+            path table with the Triton kernel
+            (:func:`kvtier._copykernel.execute_kernel`), the others with NumPy.
     """
     store = direction == "store"
     if plan and plan[0].host is not None:
@@ -295,7 +299,13 @@ def run_plan(
             for copy in plan:
                 _run_host(copy, store)
             return
-        execute(plan_table(plan, store=store))
+        table = plan_table(plan, store=store)
+        if backend == "kernel":
+            from kvtier._copykernel import execute_kernel
+
+            execute_kernel(table)
+        else:
+            execute(table)
         return
     _run_torch(plan, store, aliasing)
 
@@ -625,16 +635,24 @@ def _staged_copy(copies: Sequence[ChunkCopy], ids: list[int], store: bool) -> No
         torch._foreach_copy_(slots, rows, non_blocking=non_blocking)
 
 
-_UNITS_PER_THREAD = 4
+_SPLIT_NBYTES = 4 << 20
+"""A CPU-path job of fewer bytes is one unit of work: one table, one thread.
+
+Building and running one table costs tens of microseconds of NumPy calls
+whatever its length, and waking a second copy thread costs as much, so a
+small job is not split. Measured on a 2-vCPU VM with 16-byte pages (``kvtier
+bench``'s scheduling overhead): one unit per job against two or eight.
+"""
+_UNITS_PER_THREAD = 2
 
 
 def _units(plan: Sequence[ChunkCopy], threads: int) -> list[Sequence[ChunkCopy]]:
     """Cut ``plan`` into consecutive slices, about ``_UNITS_PER_THREAD`` per copy thread.
 
-    Consecutive, so that loads of chunks in consecutive slots keep one call
-    per layer inside a slice (:func:`_slot_runs`).
+    One slice when the plan moves fewer than :data:`_SPLIT_NBYTES` bytes.
+    Each slice is one descriptor table (:func:`plan_table`).
     """
-    if threads <= 1 or len(plan) <= 1:
+    if threads <= 1 or len(plan) <= 1 or sum(c.nbytes for c in plan) < _SPLIT_NBYTES:
         return [plan]
     size = max(1, -(-len(plan) // (threads * _UNITS_PER_THREAD)))
     return [plan[i : i + size] for i in range(0, len(plan), size)]
@@ -702,10 +720,14 @@ class CopyExecutor:
         device: the device of the registered KV cache tensors.
         direction: ``"store"`` or ``"load"``.
         threads: copy threads for the CPU path (``>= 1``).
+        backend: ``EngineConfig.copy_backend`` (:func:`run_plan`).
     """
 
-    def __init__(self, device: torch.device, direction: Direction, threads: int = 1) -> None:
+    def __init__(
+        self, device: torch.device, direction: Direction, threads: int = 1, backend: str = "auto"
+    ) -> None:
         self.device = device
+        self.backend = backend
         self.direction: Direction = direction
         self._cuda = device.type == "cuda"
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -782,7 +804,7 @@ class CopyExecutor:
         units = job.units
         while (i := next(job.next_unit)) < len(units):
             try:
-                run_plan(units[i], self.direction, in_order=job.in_order)
+                run_plan(units[i], self.direction, in_order=job.in_order, backend=self.backend)
             except Exception as exc:
                 if error is None:
                     error = TransferError(
@@ -889,6 +911,27 @@ class CopyExecutor:
         """Stop the worker threads (waits for the job in progress)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+def check_backend(backend: str, device: torch.device) -> None:
+    """Raise unless ``backend`` (``EngineConfig.copy_backend``) can copy for a cache on ``device``.
+
+    Raises:
+        ConfigError: ``"dma"`` or ``"kernel"`` on a CUDA device (not measured
+            there yet: ``benchmarks/gpu_check.sh``), or ``"kernel"`` where
+            Triton cannot run CPU tensors (:func:`kvtier._copykernel.available`).
+    """
+    if device.type != "cpu" and backend in ("dma", "kernel"):
+        raise ConfigError(
+            f"kvtier: copy_backend={backend!r} is not available on {device.type} devices in this "
+            "release; use 'auto' or 'torch'"
+        )
+    if backend == "kernel":
+        from kvtier._copykernel import available
+
+        reason = available()
+        if reason is not None:
+            raise ConfigError(f"kvtier: copy_backend='kernel': {reason}")
 
 
 def record_event(device: torch.device) -> Any:  # pragma: no cover - CUDA hosts only

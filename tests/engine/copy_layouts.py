@@ -6,11 +6,14 @@ slot offsets, aliases in and across groups, strided slices, K/V-first pieces.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 import kvtier
+from kvtier import _transfer
+from kvtier._slots import HostRegion
 from tests.engine.helpers import fill_random, same
 
 NB = 40  # blocks per layer: group g stores from 10g..10g+9 and loads into 39-b
@@ -146,3 +149,31 @@ def check_loaded(
                 if t.untyped_storage().data_ptr() == ptr
             )
             assert bool((pages[ids, widest:] == 0xEE).all()), f"{name}: past the payload"
+
+
+class CopyRig:
+    """A layout's pieces over a real pool, and chunk copies into its slots."""
+
+    def __init__(self, layout: kvtier.KVLayout, bpc: int, num_slots: int = 8) -> None:
+        self.layout, self.bpc = layout, bpc
+        self.slot_nbytes = layout.slot_nbytes(bpc)
+        self.region = HostRegion(num_slots * self.slot_nbytes, pin=False)
+        self.specs = {
+            g: _transfer.piece_specs(layout.group(g), layout.layer_offsets(g, bpc))
+            for g in layout.group_ids
+        }
+        self.host = {
+            g: _transfer.host_pieces(
+                self.specs[g], self.region.host_views, self.slot_nbytes, num_slots, bpc
+            )
+            for g in layout.group_ids
+        }
+
+    def copy(
+        self, g: int, slot: int, block_ids: Sequence[int], start: int = 0
+    ) -> _transfer.ChunkCopy:
+        n = len(block_ids) * self.layout.group(g).block_payload_nbytes
+        return _transfer.ChunkCopy(
+            self.specs[g], self.region.views, slot * self.slot_nbytes, tuple(block_ids), start,
+            n, self.host[g], slot,
+        )  # fmt: skip

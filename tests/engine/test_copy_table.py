@@ -18,8 +18,7 @@ import torch
 
 import kvtier
 from kvtier import _copytable, _transfer
-from kvtier._slots import HostRegion
-from tests.engine.copy_layouts import CASES, NB, layout_case
+from tests.engine.copy_layouts import CASES, NB, CopyRig, layout_case
 
 
 def _byte_addresses(view: torch.Tensor) -> list[int]:
@@ -55,40 +54,12 @@ def _table_map(table: _copytable.CopyTable) -> dict[int, int]:
     return out
 
 
-class _Rig:
-    """A layout's pieces over a real pool, and chunk copies into its slots."""
-
-    def __init__(self, layout: kvtier.KVLayout, bpc: int, num_slots: int = 8) -> None:
-        self.layout, self.bpc = layout, bpc
-        self.slot_nbytes = layout.slot_nbytes(bpc)
-        self.region = HostRegion(num_slots * self.slot_nbytes, pin=False)
-        self.specs = {
-            g: _transfer.piece_specs(layout.group(g), layout.layer_offsets(g, bpc))
-            for g in layout.group_ids
-        }
-        self.host = {
-            g: _transfer.host_pieces(
-                self.specs[g], self.region.host_views, self.slot_nbytes, num_slots, bpc
-            )
-            for g in layout.group_ids
-        }
-
-    def copy(
-        self, g: int, slot: int, block_ids: Sequence[int], start: int = 0
-    ) -> _transfer.ChunkCopy:
-        n = len(block_ids) * self.layout.group(g).block_payload_nbytes
-        return _transfer.ChunkCopy(
-            self.specs[g], self.region.views, slot * self.slot_nbytes, tuple(block_ids), start,
-            n, self.host[g], slot,
-        )  # fmt: skip
-
-
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("store", [True, False], ids=["store", "load"])
 def test_table_maps_exactly_the_bytes_of_the_strided_views(case: str, store: bool) -> None:
     """Full and partial chunks of every group, scattered and consecutive block ids."""
     c = layout_case(case)
-    rig = _Rig(c.layout(), c.bpc)
+    rig = CopyRig(c.layout(), c.bpc)
     rng = random.Random(case)
     plan, slot = [], 0
     for g in rig.layout.group_ids:
@@ -117,7 +88,7 @@ def test_table_maps_exactly_the_bytes_of_the_strided_views(case: str, store: boo
 def test_consecutive_blocks_of_a_block_contiguous_cache_merge_into_one_row_per_chunk() -> None:
     t = torch.zeros(128, 2, 4, 8, dtype=torch.float16)  # 128-byte pages, block-contiguous
     layout = kvtier.KVLayout.from_tensors({0: {"a": t}}, block_dim=0)
-    rig = _Rig(layout, 32)  # 4 KiB of payload per slot (then the slot's trailer)
+    rig = CopyRig(layout, 32)  # 4 KiB of payload per slot (then the slot's trailer)
     plan = [rig.copy(0, s, range(32 * s, 32 * s + 32)) for s in range(3)]
     table = _transfer.plan_table(plan, store=True)
     assert table.nbytes.tolist() == [32 * 128] * 3
@@ -132,7 +103,7 @@ def test_consecutive_blocks_of_a_block_contiguous_cache_merge_into_one_row_per_c
 def test_a_kv_first_page_is_two_runs_per_block() -> None:
     t = torch.zeros(2, 32, 4, 8, dtype=torch.bfloat16)  # K and V halves 32 blocks apart
     layout = kvtier.KVLayout.from_tensors({0: {"kv": t}}, block_dim=1)
-    rig = _Rig(layout, 2)
+    rig = CopyRig(layout, 2)
     table = _transfer.plan_table([rig.copy(0, 1, [7, 3])], store=True)
     assert table.nbytes.tolist() == [64] * 4
     stride = t.stride(1) * 2
@@ -152,7 +123,7 @@ def test_execute_moves_bits_of_any_pattern() -> None:
     for b, p in enumerate(patterns * 5):
         t[b] = torch.frombuffer(bytearray(p), dtype=torch.uint8)
     layout = kvtier.KVLayout.from_tensors({0: {"x": t}}, block_dim=0)
-    rig = _Rig(layout, 4)
+    rig = CopyRig(layout, 4)
     before = t.clone()
     plan = [rig.copy(0, s, [4 * s + 3, 4 * s + 1, 4 * s, 4 * s + 2]) for s in range(3)]
     store = _transfer.plan_table(plan, store=True)
@@ -167,7 +138,7 @@ def test_execute_moves_bits_of_any_pattern() -> None:
 def test_overlaps_finds_a_page_written_twice() -> None:
     t = torch.zeros(16, 48, dtype=torch.uint8)
     layout = kvtier.KVLayout.from_tensors({0: {"x": t}}, block_dim=0)
-    rig = _Rig(layout, 2)
+    rig = CopyRig(layout, 2)
     apart = [rig.copy(0, 0, [1, 2]), rig.copy(0, 1, [3, 4])]
     twice = [rig.copy(0, 0, [1, 2]), rig.copy(0, 1, [5, 2])]
     assert not _copytable.overlaps(_transfer.plan_table(apart, store=False))
@@ -179,7 +150,7 @@ def test_rows_of_mixed_sizes_and_unaligned_offsets_copy_bitwise() -> None:
     a = torch.randint(0, 256, (32, 3), dtype=torch.uint8)
     b = torch.randint(0, 256, (32, 5), dtype=torch.int64)
     layout = kvtier.KVLayout.from_tensors({0: {"a": a, "b": b}}, block_dim=0)
-    rig = _Rig(layout, 4)
+    rig = CopyRig(layout, 4)
     ref_a, ref_b = a.clone(), b.clone()
     plan = [rig.copy(0, s, np.random.default_rng(s).permutation(32)[:4].tolist()) for s in range(4)]
     _copytable.execute(_transfer.plan_table(plan, store=True))
