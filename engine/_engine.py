@@ -224,6 +224,7 @@ class TransferEngine:
                 for d in ("store", "load")
             }
         )
+        self._executors["load"].know_groups(list(self._specs.values()))
         if self.config.nvme is not None:
             from kvtier._writeback import WriterParts
 

@@ -116,6 +116,18 @@ class HostPiece(NamedTuple):
     take: bool
 
 
+TABLE_ROW_NBYTES = 1024
+"""On the NumPy backend, groups whose contiguous runs are all smaller go through the table.
+
+A table row costs about 10 ns plus its bytes twice (a gather into a
+temporary, then a scatter); one NumPy call per chunk and piece costs about
+2 µs for 16 blocks plus the bytes once. They meet near 1 KiB per run at the
+10 GB/s a 2-vCPU VM copies. Measured with ``benchmarks/copy_ab.py``: with
+every group through the table, 16 KiB pages stored at 0.5x of the per-piece
+calls.
+"""
+
+
 class HostGroup(NamedTuple):
     """What the CPU path precomputes of one group, once per engine.
 
@@ -126,12 +138,15 @@ class HostGroup(NamedTuple):
         blocks_per_chunk: sub-blocks per chunk.
         templates: the slot side of the group's rows per ``(first sub-block,
             blocks)``, filled by :func:`kvtier._copytable.job_table`.
+        table: the NumPy backend copies the group through the table (its
+            runs are all under :data:`TABLE_ROW_NBYTES`).
     """
 
     pieces: tuple[HostPiece, ...]
     runs: GroupRuns
     blocks_per_chunk: int
     templates: dict[tuple[int, int], Any]
+    table: bool = True
 
 
 def host_pieces(
@@ -177,7 +192,8 @@ def host_pieces(
         out.append(HostPiece(gpu, slots, bool(take)))
     flat = pool[1]
     runs = group_runs(specs, flat.ctypes.data, flat.nbytes)
-    return HostGroup(tuple(out), runs, blocks_per_chunk, {})
+    table = bool(len(runs.nbytes)) and int(runs.nbytes.max()) < TABLE_ROW_NBYTES
+    return HostGroup(tuple(out), runs, blocks_per_chunk, {}, table)
 
 
 class ChunkCopy(NamedTuple):
@@ -264,6 +280,49 @@ def _run_host(copy: ChunkCopy, store: bool) -> None:
             slot[...] = gpu[idx]
 
 
+def _slot_runs(plan: Sequence[ChunkCopy]) -> list[tuple[int, int]]:
+    """Split ``plan`` into ``[start, stop)`` runs that one NumPy call per piece can copy.
+
+    A run of two or more holds full chunks of one group in consecutive slots;
+    everything else is a run of one.
+    """
+    runs, i = [], 0
+    while i < len(plan):
+        c, j = plan[i], i + 1
+        if c.host is not None and c.start == 0 and len(c.block_ids) == c.host.blocks_per_chunk:
+            bpc = len(c.block_ids)
+            while (
+                j < len(plan)
+                and plan[j].host is c.host
+                and plan[j].slot == c.slot + (j - i)
+                and plan[j].start == 0
+                and len(plan[j].block_ids) == bpc
+            ):
+                j += 1
+        runs.append((i, j))
+        i = j
+    return runs
+
+
+def _load_run(run: Sequence[ChunkCopy]) -> None:
+    """Load full chunks of one group in consecutive slots: ONE NumPy call per piece.
+
+    The slots' strided view ``(k, blocks_per_chunk, *shape)`` is scattered
+    straight into the cache blocks. Few large calls mean few GIL hand-offs:
+    with one call per chunk, a copy thread that re-takes the GIL after each
+    call can starve the other one for a whole job (measured: the two halves
+    of a job then run one after the other). Stores keep one ``np.take`` per
+    chunk: NumPy has no one-pass gather into a strided destination, and two
+    passes cost more than the hand-offs.
+    """
+    host = run[0].host
+    assert host is not None
+    s0, k = run[0].slot, len(run)
+    idx = np.array([c.block_ids for c in run], dtype=np.intp)  # (k, blocks_per_chunk)
+    for piece in host.pieces:
+        piece.gpu[idx] = piece.slots[s0 : s0 + k]
+
+
 def run_plan(
     plan: Sequence[ChunkCopy],
     direction: Direction,
@@ -273,8 +332,11 @@ def run_plan(
 ) -> None:
     """Execute a job's copies synchronously (worker thread or CUDA stream context).
 
-    Chunks with ``host`` pieces (CPU-only hosts) run as the job's descriptor
-    table (:func:`plan_table`, executed by :func:`kvtier._copytable.execute`).
+    Chunks with ``host`` pieces (CPU-only hosts) of groups whose runs are
+    smaller than :data:`TABLE_ROW_NBYTES` run as the job's descriptor table
+    (:func:`plan_table`, executed by :func:`kvtier._copytable.execute`); the
+    chunks of other groups run one NumPy call per chunk and piece, which
+    moves large runs in one pass (:func:`_run_pieces`).
     The others run as torch calls, per chunk and per piece of each distinct
     layer: a strided copy when the block ids are consecutive, else a gather
     into the slot (store) or a scatter into the GPU blocks (load).
@@ -299,15 +361,35 @@ def run_plan(
             for copy in plan:
                 _run_host(copy, store)
             return
-        table = plan_table(plan, store=store)
         if backend == "kernel":
             from kvtier._copykernel import execute_kernel
 
-            execute_kernel(table)
-        else:
-            execute(table)
+            execute_kernel(plan_table(plan, store=store))
+            return
+        small = [c for c in plan if c.host is not None and c.host.table]
+        if len(small) != len(plan):
+            _run_pieces([c for c in plan if c.host is not None and not c.host.table], store)
+        if small:
+            execute(plan_table(small, store=store))
         return
     _run_torch(plan, store, aliasing)
+
+
+def _run_pieces(plan: Sequence[ChunkCopy], store: bool) -> None:
+    """Copy chunks of groups with large runs: one NumPy call per chunk and piece.
+
+    Loads of full chunks in consecutive slots are one call per piece for all
+    of them (:func:`_load_run`).
+    """
+    if store:
+        for copy in plan:
+            _run_host(copy, True)
+        return
+    for i, j in _slot_runs(plan):
+        if j - i > 1:
+            _load_run(plan[i:j])
+        else:
+            _run_host(plan[i], False)
 
 
 def plan_table(plan: Sequence[ChunkCopy], *, store: bool) -> CopyTable:
@@ -393,7 +475,11 @@ def _pages_written_twice(
     Args:
         plan: a load job's chunk copies.
         cache: ``{group ids: _aliasing result}`` kept by the caller (the
-            groups of an engine do not change), or None.
+            groups of an engine do not change), or None. An entry under
+            ``_ALL_GROUPS`` (:meth:`CopyExecutor.know_groups`) serves every
+            plan: labels of all the groups may join two groups that only
+            meet through a third, which makes a load copy in order where it
+            need not, never the reverse.
     """
     if len(plan) < 2:
         return False
@@ -401,7 +487,7 @@ def _pages_written_twice(
     for copy in plan:
         groups.setdefault(id(copy.specs), copy.specs)
     ids = frozenset(groups)
-    found = None if cache is None else cache.get(ids)
+    found = None if cache is None else cache.get(ids, cache.get(_ALL_GROUPS))
     if found is None:
         found = _aliasing(groups)
         if cache is not None:
@@ -423,6 +509,8 @@ def _pages_written_twice(
 
 
 _Aliasing = tuple[dict[int, int], dict[int, frozenset[int]]]
+_ALL_GROUPS: frozenset[int] = frozenset()
+"""The :func:`_pages_written_twice` cache key of the analysis of all of an engine's groups."""
 
 
 class _Footprint(NamedTuple):
@@ -643,7 +731,7 @@ whatever its length, and waking a second copy thread costs as much, so a
 small job is not split. Measured on a 2-vCPU VM with 16-byte pages (``kvtier
 bench``'s scheduling overhead): one unit per job against two or eight.
 """
-_UNITS_PER_THREAD = 2
+_UNITS_PER_THREAD = 4
 
 
 def _units(plan: Sequence[ChunkCopy], threads: int) -> list[Sequence[ChunkCopy]]:
@@ -743,6 +831,12 @@ class CopyExecutor:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 self._threads, thread_name_prefix=f"kvtier-{direction}"
             )
+            # Start the threads now, not in the first job: a thread's start
+            # costs about 0.3 ms on a 2-vCPU VM, which the first job would pay.
+            ready = threading.Barrier(self._threads + 1)
+            for _ in range(self._threads):
+                self._pool.submit(ready.wait)
+            ready.wait()
 
     def submit(
         self,
@@ -793,6 +887,17 @@ class CopyExecutor:
                 return
             self._running = True
         self._start(job)
+
+    def know_groups(self, specs: Sequence[tuple[PieceSpec, ...]]) -> None:
+        """Analyse how all the groups' pieces share memory, once (before the first job).
+
+        Without it the first load job of each set of groups does it, which
+        costs about 1 ms for a layout of 122 layers (``deepseek-v3.2``).
+
+        Args:
+            specs: every group's pieces (:func:`piece_specs`).
+        """
+        self._aliasing[_ALL_GROUPS] = _aliasing({id(p): p for p in specs})
 
     def _start(self, job: _HostJob) -> None:
         assert self._pool is not None
