@@ -45,10 +45,11 @@ MEMMOVE_NBYTES = 2048
 """Rows of at least this many bytes are copied one ``memmove`` each on CPU hosts.
 
 Below it one fancy-indexed copy per row size wins: it costs about 8 ns per
-16-byte row against about 0.4 µs of Python per ``memmove`` call, but passes
-the bytes twice (a gather into a temporary, then a scatter). Measured on a
-2-vCPU VM: ``kvtier bench --no-nvme`` with the default and ``deepseek-v3.2``
-layouts.
+16-byte row against about 0.4 µs of Python per ``memmove`` call (both
+measured on a 2-vCPU VM), but passes the bytes twice (a gather into a
+temporary, then a scatter). Groups whose runs are 1 KiB or more do not use
+the table on CPU hosts (``kvtier._transfer.TABLE_ROW_NBYTES``), so only
+merged rows of consecutive blocks reach this size.
 """
 
 _WIDTH_DTYPES: dict[int, Any] = {
