@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,11 @@ from kvtier.errors import ConfigError
 
 _BLOCK = 256
 """Elements each program moves per step (a power of two)."""
+
+_LAUNCH = threading.Lock()
+"""One launch at a time: Triton's interpreter patches ``triton.language`` for
+the duration of a launch, process-wide, so a second thread's launch that ends
+meanwhile restores it under the first (which then fails)."""
 
 
 def available() -> str | None:
@@ -90,4 +96,5 @@ def execute_kernel(table: CopyTable) -> None:
     rows = torch.from_numpy(
         np.stack([table.src + table.lo, table.dst + table.lo, table.nbytes // width])
     )
-    _kernel()[(n,)](rows[0], rows[1], rows[2], WIDTH=width, BLOCK=_BLOCK)
+    with _LAUNCH:
+        _kernel()[(n,)](rows[0], rows[1], rows[2], WIDTH=width, BLOCK=_BLOCK)

@@ -80,6 +80,7 @@ class GroupRuns(NamedTuple):
             address and size of every row of the group (whatever the block
             ids and slots: slots are 4 KiB multiples).
         size: the bytes of every run when they are all equal, else 0.
+        per_piece: the most runs one piece has per block.
     """
 
     gpu: I64
@@ -92,6 +93,7 @@ class GroupRuns(NamedTuple):
     hi: int
     width: int
     size: int
+    per_piece: int
 
 
 class _Spec(Protocol):
@@ -142,6 +144,7 @@ def group_runs(specs: Sequence[_Spec], pool: int, pool_nbytes: int) -> GroupRuns
     payload: list[int] = []
     nbytes: list[int] = []
     lo, hi = pool, pool + pool_nbytes
+    per_piece = 0
     for spec in specs:
         v = spec.gpu8
         base = v.data_ptr()
@@ -149,6 +152,7 @@ def group_runs(specs: Sequence[_Spec], pool: int, pool_nbytes: int) -> GroupRuns
         gpu += [base + o for o in g_off]
         slot += [spec.offset + o for o in p_off]
         n = len(g_off)
+        per_piece = max(per_piece, n)
         stride += [v.stride(0)] * n
         payload += [spec.payload] * n
         nbytes += [run] * n
@@ -166,7 +170,7 @@ def group_runs(specs: Sequence[_Spec], pool: int, pool_nbytes: int) -> GroupRuns
     size = nbytes[0] if nbytes and len(set(nbytes)) == 1 else 0
     return GroupRuns(
         arr(gpu), arr(stride), arr(slot), arr(payload), arr(nbytes), pool,
-        lo // 16 * 16, -(-hi // 16) * 16, bits & -bits, size,
+        lo // 16 * 16, -(-hi // 16) * 16, bits & -bits, size, per_piece,
     )  # fmt: skip
 
 

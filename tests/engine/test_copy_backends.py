@@ -145,3 +145,32 @@ def test_the_kernel_backend_without_the_interpreter_is_refused_at_construction(
     layout, _ = _layout()
     with pytest.raises(errors.ConfigError, match="kernel"):
         kvtier.TransferEngine(layout, kvtier.EngineConfig(1 << 20, 4, copy_backend="kernel"))
+
+
+@needs_triton
+@pytest.mark.usefixtures("interpreter")
+async def test_kernel_store_and_load_in_flight_together_both_land() -> None:
+    """A store and a load of one iteration run on two copy threads: both launch the kernel."""
+    t = torch.empty(512, 8, 32, dtype=torch.uint8)  # 4 runs of 64 bytes per block
+    fill_random(t, 3)
+    pristine = t.clone()
+    layout = kvtier.KVLayout.from_tensors({0: {"x": t}}, block_dim=0)
+    cfg = kvtier.EngineConfig(layout.slot_nbytes(16) * 128, 16, copy_backend="kernel")
+    async with kvtier.TransferEngine(layout, cfg) as engine:
+        for i in range(12):
+            first = [
+                kvtier.Chunk(key(f"a{i}.{j}", 0), range(16 * j, 16 * j + 16)) for j in range(4)
+            ]
+            assert len((await engine.store(first)).stored) == 4
+            more = [
+                kvtier.Chunk(key(f"b{i}.{j}", 0), range(16 * j, 16 * j + 16)) for j in range(4, 8)
+            ]
+            back = [
+                kvtier.Chunk(c.key, range(16 * (j + 20), 16 * (j + 21)))
+                for j, c in enumerate(first)
+            ]
+            stored, loaded = await asyncio.gather(engine.store(more), engine.load(back))
+            assert len(stored.stored) == 4
+            assert not loaded.failed
+            assert same(t[320:384], pristine[0:64])
+            t[320:384] = 0

@@ -161,3 +161,17 @@ def test_rows_of_mixed_sizes_and_unaligned_offsets_copy_bitwise() -> None:
     assert torch.equal(a[touched], ref_a[touched])
     assert torch.equal(b[touched], ref_b[touched])
     assert not a[[i for i in range(32) if i not in touched]].any()
+
+
+def test_pieces_of_many_runs_or_large_runs_keep_one_call_per_chunk_and_piece() -> None:
+    """The table takes groups of small runs; a block-innermost piece or 1 KiB pages do not."""
+    small = torch.zeros(64, 4, 16, dtype=torch.uint8)  # one 64-byte run per block
+    inner = torch.zeros(8, 16, 64, dtype=torch.int16)  # block dim innermost: 128 runs per block
+    large = torch.zeros(64, 1024, dtype=torch.uint8)  # one 1 KiB run per block
+    layout = kvtier.KVLayout.from_tensors(
+        {0: {"s": small}, 1: {"i": inner}, 2: {"l": large}},
+        block_dim={"s": 0, "i": 2, "l": 0},
+    )
+    rig = CopyRig(layout, 4)
+    assert [rig.host[g].table for g in (0, 1, 2)] == [True, False, False]
+    assert rig.host[1].runs.per_piece == 128
