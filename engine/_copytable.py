@@ -407,6 +407,9 @@ def _flat(lo: int, hi: int, width: int) -> npt.NDArray[Any]:
     return view
 
 
+_shift: Any = np.right_shift  # into a scratch buffer (numpy's stubs reject out= with an int)
+
+
 def execute(table: CopyTable) -> None:
     """Copy every row of ``table`` (CPU hosts; worker threads).
 
@@ -440,8 +443,10 @@ def execute(table: CopyTable) -> None:
         w = table.width
         flat = _flat(table.lo, table.hi, w)
         shift = w.bit_length() - 1
-        si = np.right_shift(src, shift, out=_scratch.get("si", len(src)))
-        di = np.right_shift(dst, shift, out=_scratch.get("di", len(dst)))
+        si = _scratch.get("si", len(src))
+        di = _scratch.get("di", len(dst))
+        _shift(src, shift, out=si)
+        _shift(dst, shift, out=di)
         k = size >> shift
         if k == 1:
             # flat is 1-D and contiguous: take() gathers into the scratch row buffer
