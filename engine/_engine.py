@@ -16,6 +16,7 @@ import torch
 if TYPE_CHECKING:
     from kvtier.io import NVMeTier
 
+from kvtier._aliasing import aliasing_labels
 from kvtier._config import EngineConfig
 from kvtier._holds import Hold, HoldRegistry, Pins, leading
 from kvtier._in_flight import CallContext, on_no_medium, wait_in_flight
@@ -31,7 +32,6 @@ from kvtier._transfer import (
     CopyExecutor,
     Direction,
     HostGroup,
-    aliasing_labels,
     check_backend,
     host_pieces,
     piece_specs,

@@ -27,7 +27,7 @@ class LoadTurn:
     Attributes:
         pages: ``{label: block ids}`` the call writes; a label names the
             groups whose blocks share bytes only at the same block id
-            (:func:`kvtier._transfer.aliasing_labels`).
+            (:func:`kvtier._aliasing.aliasing_labels`).
         classes: alias classes of the call's groups whose blocks may share
             bytes at other block ids (every block of such a class counts).
         submitted: set once the call's copies were submitted, or once it

@@ -1,4 +1,4 @@
-"""How the pieces of a layout share memory (``kvtier._transfer._aliasing``), checked byte by byte.
+"""How the pieces of a layout share memory (``kvtier._aliasing``), checked byte by byte.
 
 A load job whose chunks may write the same bytes is copied in plan order
 (the later call wins); the check must never miss a shared byte, and should
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import kvtier
+from kvtier import _aliasing as aliasing
 from kvtier import _transfer as transfer
 
 
@@ -33,13 +34,13 @@ def _bytes(spec: transfer.PieceSpec, block: int) -> set[int]:
 
 
 def _check_shifts(specs: list[transfer.PieceSpec]) -> None:
-    """_block_shifts lists exactly the block pairs that share bytes (or gives up: None)."""
-    prints = [transfer._footprint(s, i) for i, s in enumerate(specs)]
+    """block_shifts lists exactly the block pairs that share bytes (or gives up: None)."""
+    prints = [aliasing.footprint(s, i) for i, s in enumerate(specs)]
     for i, p in enumerate(prints):
         for j, q in enumerate(prints):
             if i == j or p is None or q is None:
                 continue
-            shifts = transfer._block_shifts(p, q)
+            shifts = aliasing.block_shifts(p, q)
             if shifts is None:
                 continue
             nb_p, nb_q = specs[i].gpu8.shape[0], specs[j].gpu8.shape[0]
@@ -76,7 +77,7 @@ def test_block_shifts_match_the_bytes_of_random_strided_views(seed: int) -> None
 def _labels(groups: dict[int, dict[str, torch.Tensor]], **kw: object) -> tuple[set[int], bool]:
     layout = kvtier.KVLayout.from_tensors(groups, **kw)  # type: ignore[arg-type]
     by_id = {id(s): s for s in _specs(layout, 2).values()}
-    label, mixed = transfer._aliasing(by_id)
+    label, mixed = aliasing.analyse(by_id)
     return set(label.values()), bool(mixed)
 
 
@@ -109,9 +110,9 @@ def test_a_load_plan_over_mixed_pieces_goes_in_order_only_when_two_chunks_touch_
     def copy(g: int, block: int) -> transfer.ChunkCopy:
         return transfer.ChunkCopy(specs[g], {}, 0, (block,), 0, 16)
 
-    assert not transfer._pages_written_twice([copy(0, 1)])
-    assert transfer._pages_written_twice([copy(0, 1), copy(1, 5)])  # t[1, 5] twice
-    assert not transfer._pages_written_twice([copy(0, 1), copy(0, 2)])  # one view: by block id
-    cache: dict[frozenset[int], transfer._Aliasing] = {}
-    assert transfer._pages_written_twice([copy(0, 1), copy(0, 1)], cache)
+    assert not aliasing.pages_written_twice([copy(0, 1)])
+    assert aliasing.pages_written_twice([copy(0, 1), copy(1, 5)])  # t[1, 5] twice
+    assert not aliasing.pages_written_twice([copy(0, 1), copy(0, 2)])  # one view: by block id
+    cache: dict[frozenset[int], aliasing.Aliasing] = {}
+    assert aliasing.pages_written_twice([copy(0, 1), copy(0, 1)], cache)
     assert len(cache) == 1  # the analysis is kept for the engine's groups

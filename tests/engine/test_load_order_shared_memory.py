@@ -1,8 +1,8 @@
 """LOAD call order and bytes over GPU memory shared by groups.
 
 The CPU path with ``EngineConfig(copy_threads=2)``: a load job whose chunks may
-write the same bytes must run as one unit in plan order (``_pages_written_twice``
-over ``_aliasing``/``_block_shifts``/``_footprint``), a single load call may not
+write the same bytes must run as one unit in plan order (``kvtier._aliasing.pages_written_twice``
+over ``analyse``/``block_shifts``/``footprint``), a single load call may not
 write one GPU byte twice (``_validate`` / ``_check_aliased_pages``), and of
 several load calls coalesced in one event-loop iteration the later call wins,
 bit for bit.
@@ -21,7 +21,7 @@ To make a missed overlap visible on every run (not only when the two copy
 threads happen to race), the "reversed" runs hand a split job's units to the
 threads last unit first (``_units`` reversed): an overlap that the analysis
 missed then leaves the EARLIER call's bytes. These runs fail with
-``_pages_written_twice`` forced to ``False``.
+``pages_written_twice`` forced to ``False``.
 
 Full chunks in consecutive slots must not be scattered by ONE NumPy assignment
 (``_load_run``) when two calls of a job load into the same block: call order
@@ -69,6 +69,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvtier
+import kvtier._aliasing as aliasing
 import kvtier._transfer as transfer
 from kvtier import errors
 
@@ -406,7 +407,7 @@ def test_pages_written_twice_never_misses_a_shared_byte(seed: int) -> None:
         g: transfer.piece_specs(layout.group(g), layout.layer_offsets(g, bpc))
         for g in layout.group_ids
     }
-    cache: dict[frozenset[int], transfer._Aliasing] = {}
+    cache: dict[frozenset[int], aliasing.Aliasing] = {}
     overlapping = 0
     for _ in range(40):
         chunks = []
@@ -419,10 +420,10 @@ def test_pages_written_twice_never_misses_a_shared_byte(seed: int) -> None:
         shared = any(pages[i] & pages[j] for i in range(len(pages)) for j in range(i))
         overlapping += shared
         if shared:
-            assert transfer._pages_written_twice(plan), (seed, m.recs, chunks)
-            assert transfer._pages_written_twice(plan, cache), (seed, m.recs, chunks)
+            assert aliasing.pages_written_twice(plan), (seed, m.recs, chunks)
+            assert aliasing.pages_written_twice(plan, cache), (seed, m.recs, chunks)
         # the same verdict from the engine's cache as without it
-        assert transfer._pages_written_twice(plan, cache) == transfer._pages_written_twice(plan)
+        assert aliasing.pages_written_twice(plan, cache) == aliasing.pages_written_twice(plan)
 
 
 def test_packed_groups_interleaved_in_one_storage_are_not_ordered() -> None:
@@ -431,11 +432,11 @@ def test_packed_groups_interleaved_in_one_storage_are_not_ordered() -> None:
     t = torch.from_numpy(base)
     layout = kvtier.KVLayout.from_tensors({g: {f"p{g}": t[:, g]} for g in range(3)})
     specs = {g: transfer.piece_specs(layout.group(g), (0,)) for g in range(3)}
-    label, mixed = transfer._aliasing({id(s): s for s in specs.values()})
+    label, mixed = aliasing.analyse({id(s): s for s in specs.values()})
     assert len(set(label.values())) == 3
     assert not mixed
     plan = [transfer.ChunkCopy(specs[g], {}, 0, (5,), 0, 40) for g in range(3)]
-    assert not transfer._pages_written_twice(plan)
+    assert not aliasing.pages_written_twice(plan)
 
 
 # ---------------------------------------------------------------------- engine, random layouts

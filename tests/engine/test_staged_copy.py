@@ -742,7 +742,7 @@ async def test_numpy_path_later_load_wins_over_memory_shared_by_groups(variant: 
 
 @pytest.mark.parametrize("variant", ["block-dims", "two-storages"])
 async def test_torch_path_later_load_wins_over_memory_shared_by_groups(variant: str) -> None:
-    """Pieces are compared by the bytes their blocks reach (``kvtier._transfer._aliasing``),
+    """Pieces are compared by the bytes their blocks reach (``kvtier._aliasing.analyse``),
     not by block ids per storage, which let the batches reorder these loads."""
     await _later_load_over_shared_memory(variant, torch_path=True)
 
