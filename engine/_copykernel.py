@@ -50,6 +50,17 @@ def available() -> str | None:
     return None
 
 
+def require() -> None:
+    """Raise unless the kernel can run here.
+
+    Raises:
+        ConfigError: it cannot (:func:`available` says why).
+    """
+    reason = available()
+    if reason is not None:
+        raise ConfigError(f"kvtier: copy_backend='kernel': {reason}")
+
+
 @functools.cache
 def _kernel() -> Any:
     import triton
@@ -86,9 +97,7 @@ def execute_kernel(table: CopyTable) -> None:
     Raises:
         ConfigError: the kernel cannot run here (:func:`available`).
     """
-    reason = available()
-    if reason is not None:
-        raise ConfigError(f"kvtier: copy_backend='kernel': {reason}")
+    require()
     n = len(table.nbytes)
     if not n:
         return

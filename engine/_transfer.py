@@ -879,11 +879,9 @@ def check_backend(backend: str, device: torch.device) -> None:
             "release; use 'auto' or 'torch'"
         )
     if backend == "kernel":
-        from kvtier._copykernel import available
+        from kvtier._copykernel import require
 
-        reason = available()
-        if reason is not None:
-            raise ConfigError(f"kvtier: copy_backend='kernel': {reason}")
+        require()
 
 
 def record_event(device: torch.device) -> Any:  # pragma: no cover - CUDA hosts only
